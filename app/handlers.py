@@ -1,0 +1,328 @@
+"""What the chat page does, as plain functions that Gradio calls and tests call without a browser.
+
+The service (built in launch.py) answers chats and loads models; these functions turn the page's
+raw values into its calls and its events back into page updates. They know nothing about torch
+or tokens: the service streams text deltas with running `ReplyStats`.
+"""
+
+import html
+import logging
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import gradio as gr
+
+from core.config import ReplyStats, SamplingConfig
+from core.errors import (
+    AerieError,
+    ContextOverflowError,
+    HeadMismatchError,
+    ModelLoadError,
+    OutOfMemoryError,
+    UnsupportedModelError,
+)
+
+log = logging.getLogger(__name__)
+
+QUANTS = ("nf4", "none")
+FINISH_LABELS = {"stop": "stop string", "length": "max tokens reached", "cancelled": "stopped", "error": "failed"}
+STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "eagle": "EAGLE"}
+Chat = list[dict[str, str]]
+
+
+class SettingsError(AerieError):
+    """A settings value the user typed cannot be used; the message names the field."""
+
+
+ERROR_TITLES = {
+    SettingsError: "Check the settings",
+    ContextOverflowError: "Conversation too long",
+    OutOfMemoryError: "Out of memory",
+    ModelLoadError: "Model not loaded",
+    UnsupportedModelError: "Model not supported",
+    HeadMismatchError: "Draft head does not fit",
+}
+
+
+class Cancels:
+    """The cancel flag of each browser session's running reply, keyed by session hash.
+
+    It lives in build_ui, not in gr.State: State values are deep-copied, and the Event must be
+    the very object the service polls between steps.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._events: dict[str, threading.Event] = {}
+
+    def start(self, key: str) -> threading.Event:
+        event = threading.Event()
+        with self._lock:
+            self._events[key] = event
+        return event
+
+    def cancel(self, key: str) -> bool:
+        with self._lock:
+            event = self._events.get(key)
+        if event is not None:
+            event.set()
+        return event is not None
+
+    def finish(self, key: str, event: threading.Event) -> None:
+        with self._lock:
+            if self._events.get(key) is event:
+                del self._events[key]
+
+
+# ---------------------------------------------------------------- history and settings
+
+
+def _field(message: Any, name: str) -> Any:
+    return message.get(name) if isinstance(message, dict) else getattr(message, name, None)
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's content: a str, one part, or a list of parts (files are skipped)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return (content.get("text") or "") if content.get("type", "text") == "text" else ""
+    if isinstance(content, (list, tuple)):
+        return "\n".join(t for t in map(content_text, content) if t)
+    return ""
+
+
+def normalise_history(history: Any) -> Chat:
+    """The chat as plain {"role", "content": str} dicts; Gradio 6 hands content back as parts."""
+    chat = []
+    for message in history or []:
+        role = _field(message, "role")
+        metadata = _field(message, "metadata") or {}
+        if role not in ("user", "assistant") or metadata.get("title"):
+            continue  # system rows and "thought" bubbles are display-only
+        text = content_text(_field(message, "content"))
+        if text or role == "user":
+            chat.append({"role": role, "content": text})
+    return chat
+
+
+def service_messages(chat: Chat) -> Chat:
+    """What the service sees: empty turns dropped, runs of one role merged (after a failed reply
+    the next user message follows an unanswered one; chat templates want roles to alternate)."""
+    merged: Chat = []
+    for message in chat:
+        if not message["content"].strip():
+            continue
+        if merged and merged[-1]["role"] == message["role"]:
+            merged[-1] = {"role": message["role"], "content": merged[-1]["content"] + "\n\n" + message["content"]}
+        else:
+            merged.append(dict(message))
+    return merged
+
+
+def _number(value: Any, label: str, whole: bool = False) -> float:
+    try:
+        number = float(str(value).strip()) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{label} must be a number, got {value!r}.") from None
+    if not math.isfinite(number):
+        raise SettingsError(f"{label} must be a finite number, got {value!r}.")
+    if whole and number != int(number):
+        raise SettingsError(f"{label} must be a whole number, got {value!r}.")
+    return int(number) if whole else number
+
+
+def parse_settings(temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any) -> SamplingConfig:
+    """The sampling settings as typed in the page, checked; raises SettingsError naming the field."""
+    temperature = _number(temperature, "Temperature")
+    top_p = _number(top_p, "Top-p")
+    top_k = _number(top_k, "Top-k", whole=True)
+    max_new = _number(max_new_tokens, "Max new tokens", whole=True)
+    blank_seed = seed is None or (isinstance(seed, str) and not seed.strip())
+    seed = None if blank_seed else _number(seed, "Seed", whole=True)
+    checks = [
+        (temperature >= 0, "Temperature must be 0 (greedy) or more."),
+        (0 < top_p <= 1, "Top-p must be above 0 and at most 1."),
+        (top_k >= 0, "Top-k must be 0 (no limit) or more."),
+        (max_new >= 1, "Max new tokens must be at least 1."),
+        (seed is None or -1 <= seed < 2**63, "Seed must be -1 (random) or a number from 0 to 2^63-1."),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise SettingsError(message)
+    seed = None if seed == -1 else seed
+    return SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new)
+
+
+def parse_stop_strings(text: Any) -> tuple[str, ...]:
+    """Stop strings separated by commas or newlines; `\\n` and `\\t` stand for a newline and a tab."""
+    pieces = str(text or "").replace("\n", ",").split(",")
+    stops = (p.strip().replace("\\n", "\n").replace("\\t", "\t") for p in pieces)
+    return tuple(dict.fromkeys(s for s in stops if s))
+
+
+# ---------------------------------------------------------------- what the page shows
+
+
+def format_stats(stats: ReplyStats, finish: str | None = None) -> str:
+    """One compact Markdown line: tokens, speed, mean accepted length, acceptance, strategy."""
+    rate = "—" if stats.accept_rate is None else f"{stats.accept_rate:.0%}"
+    parts = [
+        f"**{stats.new_tokens}** tokens",
+        f"**{stats.tok_s:.1f}** tok/s",
+        f"accepted length **{stats.accept_len:.2f}**",
+        f"acceptance **{rate}**",
+        STRATEGY_LABELS.get(stats.strategy, stats.strategy),
+    ]
+    if FINISH_LABELS.get(finish or ""):
+        parts.append(FINISH_LABELS[finish])
+    return " · ".join(parts)
+
+
+def header(label: str) -> str:
+    return f"## Aerie\n<span class='aerie-label'>{html.escape(label)}</span>"
+
+
+def toast(level: str, message: str, title: str | None = None) -> None:
+    """A toast in the page (shown only from queued events); toasts render HTML, so escape it."""
+    show = gr.Info if level == "info" else gr.Warning
+    kwargs = {"title": title} if title else {}
+    show(html.escape(message), duration=6 if level == "info" else 15, **kwargs)
+
+
+def _report(exc: Exception, what: str) -> None:
+    """Tell the user about a failure without a traceback; unexpected ones go to the log in full."""
+    if isinstance(exc, AerieError):
+        title = next((ERROR_TITLES[c] for c in type(exc).__mro__ if c in ERROR_TITLES), f"Could not {what}")
+        log.info("%s: %s", title, exc)
+        toast("warning", str(exc) or title, title)
+        return
+    log.exception("Unexpected error while trying to %s", what)
+    first_line = (str(exc).strip().splitlines() or [""])[0][:160]
+    detail = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    toast("warning", f"Unexpected error ({detail}). The details are in the console.", f"Could not {what}")
+
+
+def controls(mode: str, clear_textbox: bool = False) -> tuple[dict, ...]:
+    """Updates for (textbox, send, stop, regenerate, clear, load) in a mode: idle, answering, loading."""
+    idle, answering = mode == "idle", mode == "answering"
+    textbox = gr.update(interactive=idle, value="") if clear_textbox else gr.update(interactive=idle)
+    return (
+        textbox,
+        gr.update(interactive=idle, visible=not answering),
+        gr.update(visible=answering),
+        gr.update(interactive=idle),
+        gr.update(interactive=idle),
+        gr.update(interactive=idle),
+    )
+
+
+# ---------------------------------------------------------------- events
+
+
+def session_key(request: Any) -> str:
+    return getattr(request, "session_hash", None) or "local"
+
+
+def take_message(message: str) -> tuple:
+    """First step of Send (unqueued): park the message, empty and lock the textbox, show Stop."""
+    return (message or "", *controls("answering", clear_textbox=True))
+
+
+def _answer(service: Any, cancels: Cancels, key: str, chat: Chat, system_prompt: str,
+            settings: tuple) -> Iterator[tuple[Chat, str]]:
+    """Stream an answer to the last user turn of `chat`, yielding (chat, stats line).
+
+    On any failure the page keeps `chat` as it was (the user's turn stays, no half answer) and
+    the user gets a toast. The cancel flag is set on the way out, so a closed page stops the work.
+    """
+    cancel = cancels.start(key)
+    text, stats, notices = "", None, set()
+    try:
+        sampling = parse_settings(*settings[:5])
+        stops = parse_stop_strings(settings[5])
+        events = service.reply(service_messages(chat), system_prompt or "", sampling, stops, cancel)
+        for event in events:
+            text, stats = text + event.delta, event.stats
+            if event.notice and event.notice not in notices:
+                notices.add(event.notice)
+                toast("info", event.notice, "Note")
+            answer = [{"role": "assistant", "content": text}] if text else []
+            yield chat + answer, format_stats(stats, event.finish)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged
+        _report(exc, "answer")
+        yield chat, format_stats(stats, "error") if stats else ""
+    finally:
+        cancel.set()
+        cancels.finish(key, cancel)
+
+
+def respond(service: Any, cancels: Cancels, message: Any, history: Any, system_prompt: str,
+            temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any, stop_text: Any,
+            request: gr.Request | None = None) -> Iterator[tuple[Chat, str]]:
+    """Add the user's message to the chat and stream the answer."""
+    text = content_text(message).strip()
+    if not text:
+        yield gr.skip(), gr.skip()
+        return
+    chat = normalise_history(history) + [{"role": "user", "content": text}]
+    yield chat, "…"
+    settings = (temperature, top_p, top_k, seed, max_new_tokens, stop_text)
+    yield from _answer(service, cancels, session_key(request), chat, system_prompt, settings)
+
+
+def regenerate(service: Any, cancels: Cancels, history: Any, system_prompt: str,
+               temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any, stop_text: Any,
+               request: gr.Request | None = None) -> Iterator[tuple[Chat, str]]:
+    """Drop the last answer and answer the last user turn again."""
+    chat = normalise_history(history)
+    users = [i for i, m in enumerate(chat) if m["role"] == "user"]
+    if not users:
+        toast("info", "There is no message to answer yet.")
+        yield gr.skip(), gr.skip()
+        return
+    chat = chat[: users[-1] + 1]
+    yield chat, "…"
+    settings = (temperature, top_p, top_k, seed, max_new_tokens, stop_text)
+    yield from _answer(service, cancels, session_key(request), chat, system_prompt, settings)
+
+
+def stop(cancels: Cancels, request: gr.Request | None = None) -> None:
+    """Stop this session's running reply; the service ends it and the partial answer stays."""
+    cancels.cancel(session_key(request))
+
+
+def clear() -> tuple[Chat, str]:
+    return [], ""
+
+
+def begin_load() -> tuple:
+    """First step of Load model (unqueued): lock the page and say what is happening."""
+    return (*controls("loading"), "Loading the model…")
+
+
+def load_model(service: Any, model: Any, quant: Any, system_prompt: str) -> tuple[str, str, str]:
+    """Load another model; returns (header, status line, system prompt). On failure all three
+    stay as they were. The system prompt follows the new model's default unless the user edited it."""
+    old_default = service.default_system_prompt
+    try:
+        model = str(model or "").strip()
+        if not model:
+            raise SettingsError("Enter a Hugging Face model id or a local folder.")
+        if quant not in QUANTS:
+            raise SettingsError(f"Quantization must be one of {', '.join(QUANTS)}, got {quant!r}.")
+        label = service.load_model(model, quant)
+    except Exception as exc:  # noqa: BLE001 - as in _answer
+        _report(exc, "load the model")
+        return header(service.label), model_status(service.label), system_prompt
+    toast("info", f"Loaded {label}", "Model ready")
+    prompt = service.default_system_prompt if system_prompt == old_default else system_prompt
+    return header(label), model_status(label), prompt
+
+
+def model_status(label: str) -> str:
+    return f"Current: {html.escape(label)}"

@@ -1,0 +1,155 @@
+"""The chat page: layout and event wiring only. What each event does lives in app/handlers.py.
+
+launch.py builds the service, then:
+    demo = build_ui(service, defaults)
+    demo.launch(server_name="127.0.0.1", inbrowser=True, **launch_options())
+(Gradio 6 takes `css` and `theme` in launch(), not in Blocks().)
+"""
+
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import gradio as gr
+
+from app import handlers
+from core.config import SamplingConfig
+
+CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
+ENGINE = "engine"  # one concurrency group: one answer or model load at a time, across all tabs
+
+
+@dataclass(frozen=True)
+class UiDefaults:
+    """The page's starting values; launch.py fills them from the command line."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    model: str = ""      # prefilled in the Model box, e.g. the model that launch.py loaded
+    quant: str = "nf4"   # one of handlers.QUANTS
+
+
+def launch_options() -> dict[str, Any]:
+    """The launch() keywords that style the page: css from assets/, a theme with system fonts
+    (the default themes fetch Google fonts, which an offline desktop cannot reach)."""
+    theme = gr.themes.Soft(
+        primary_hue="sky",
+        neutral_hue="slate",
+        font=("ui-sans-serif", "system-ui", "sans-serif"),
+        font_mono=("ui-monospace", "SFMono-Regular", "monospace"),
+    )
+    return {"css": CSS_PATH.read_text(encoding="utf-8"), "theme": theme}
+
+
+def bind(fn: Callable, *deps: Any) -> Callable:
+    """functools.partial(fn, *deps) as a plain function: Gradio reads the type hints that ask
+    for a gr.Request only from plain functions, and a partial object hides them."""
+    if inspect.isgeneratorfunction(fn):
+        def bound(*args):
+            yield from fn(*deps, *args)
+    else:
+        def bound(*args):
+            return fn(*deps, *args)
+    params = list(inspect.signature(fn).parameters.values())[len(deps):]
+    hints = typing.get_type_hints(fn)
+    bound.__signature__ = inspect.Signature(params)
+    bound.__annotations__ = {p.name: hints[p.name] for p in params if p.name in hints}
+    bound.__name__ = bound.__qualname__ = fn.__name__
+    bound.__doc__ = fn.__doc__
+    return bound
+
+
+def _as_defaults(defaults: UiDefaults | Mapping[str, Any] | None) -> UiDefaults:
+    if defaults is None:
+        return UiDefaults()
+    return defaults if isinstance(defaults, UiDefaults) else UiDefaults(**defaults)
+
+
+def _settings_panel(service: Any, d: UiDefaults) -> list[gr.Component]:
+    """System prompt and sampling controls, in the order handlers.respond takes them."""
+    s = d.sampling
+    with gr.Accordion("Settings", open=True):
+        system = gr.Textbox(lambda: service.default_system_prompt, label="System prompt", lines=3, max_lines=12)
+        temperature = gr.Slider(0, 2, value=s.temperature, step=0.05, label="Temperature", info="0 = greedy")
+        top_p = gr.Slider(0.01, 1, value=s.top_p, step=0.01, label="Top-p")
+        top_k = gr.Slider(0, max(200, s.top_k), value=s.top_k, step=1, label="Top-k", info="0 = no limit")
+        max_new = gr.Slider(1, max(4096, s.max_new_tokens), value=s.max_new_tokens, step=1, label="Max new tokens")
+        seed = gr.Number(-1 if s.seed is None else s.seed, precision=0, label="Seed", info="-1 or blank = random")
+        stops = gr.Textbox(", ".join(x.replace("\n", "\\n") for x in d.stop_strings), label="Stop strings",
+                           placeholder="comma or newline separated; \\n = newline", lines=1, max_lines=4)
+    return [system, temperature, top_p, top_k, seed, max_new, stops]
+
+
+def _model_panel(service: Any, d: UiDefaults) -> SimpleNamespace:
+    with gr.Accordion("Model", open=False):
+        model = gr.Textbox(d.model, label="Model", placeholder="Hugging Face id or local folder")
+        quant = gr.Dropdown(list(handlers.QUANTS), value=d.quant, label="Quantization",
+                            info="nf4 = 4-bit weights (bitsandbytes); none = full precision")
+        load = gr.Button("Load model", variant="secondary")
+        status = gr.Markdown(lambda: handlers.model_status(service.label), elem_classes="aerie-muted")
+    return SimpleNamespace(model=model, quant=quant, load=load, status=status)
+
+
+def _chat_panel() -> SimpleNamespace:
+    chatbot = gr.Chatbot(label="Chat", show_label=False, elem_id="aerie-chat", height="65vh",
+                         placeholder="Ask anything. Answers stream as they are written.",
+                         buttons=["copy", "copy_all"], feedback_options=None)
+    stats = gr.Markdown("", elem_id="aerie-stats")
+    with gr.Row(elem_id="aerie-input", equal_height=True):
+        textbox = gr.Textbox(show_label=False, placeholder="Message Aerie (Enter sends, Shift+Enter: new line)",
+                             lines=1, max_lines=10, scale=8, autofocus=True, container=False)
+        send = gr.Button("Send", variant="primary", scale=1, min_width=90)
+        stop = gr.Button("Stop", variant="stop", scale=1, min_width=90, visible=False)
+    with gr.Row(elem_id="aerie-actions"):
+        regen = gr.Button("Regenerate", size="sm")
+        clear = gr.Button("Clear", size="sm")
+    pending = gr.Textbox(visible=False)  # the message on its way from the textbox to respond
+    return SimpleNamespace(chatbot=chatbot, stats=stats, textbox=textbox, send=send, stop=stop,
+                           regen=regen, clear=clear, pending=pending)
+
+
+def _wire(service: Any, cancels: handlers.Cancels, p: SimpleNamespace) -> None:
+    lock = [p.textbox, p.send, p.stop, p.regen, p.clear, p.load]  # the order of handlers.controls
+    quick = {"queue": False, "api_visibility": "private"}
+    answer = {"outputs": [p.chatbot, p.stats], "concurrency_id": ENGINE, "concurrency_limit": 1,
+              "show_progress": "minimal", "show_progress_on": p.chatbot}
+
+    def unlock():
+        return handlers.controls("idle")
+
+    gr.on([p.textbox.submit, p.send.click], handlers.take_message, inputs=p.textbox,
+          outputs=[p.pending, *lock], **quick
+          ).then(bind(handlers.respond, service, cancels), inputs=[p.pending, p.chatbot, *p.settings],
+                 api_name="respond", **answer
+          ).then(unlock, outputs=lock, **quick)
+    p.regen.click(lambda: handlers.controls("answering"), outputs=lock, **quick
+                  ).then(bind(handlers.regenerate, service, cancels), inputs=[p.chatbot, *p.settings],
+                         api_name="regenerate", **answer
+                  ).then(unlock, outputs=lock, **quick)
+    p.stop.click(bind(handlers.stop, cancels), api_name="stop", queue=False)
+    p.clear.click(handlers.clear, outputs=[p.chatbot, p.stats], api_name="clear", queue=False)
+    system = p.settings[0]
+    p.load.click(handlers.begin_load, outputs=[*lock, p.status], **quick
+                 ).then(bind(handlers.load_model, service), inputs=[p.model, p.quant, system],
+                        outputs=[p.header, p.status, system], api_name="load_model",
+                        concurrency_id=ENGINE, concurrency_limit=1
+                 ).then(unlock, outputs=lock, **quick)
+
+
+def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = None) -> gr.Blocks:
+    """The chat page for `service` (see app/handlers.py for what it must offer), queued so that
+    one answer or model load runs at a time."""
+    d = _as_defaults(defaults)
+    cancels = handlers.Cancels()
+    with gr.Blocks(title="Aerie", fill_height=True, analytics_enabled=False) as demo:
+        with gr.Sidebar(label="Aerie", open=True, width=340):
+            settings = _settings_panel(service, d)
+            model = _model_panel(service, d)
+        header = gr.Markdown(lambda: handlers.header(service.label), elem_id="aerie-header")
+        page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings)
+        _wire(service, cancels, page)
+    return demo.queue(default_concurrency_limit=1)

@@ -1,0 +1,61 @@
+"""Frozen settings shared by every layer. No torch here: app/ builds these from UI controls."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0   # 0 = greedy (argmax); > 0 divides the logits
+    top_p: float = 1.0         # keep the smallest set of tokens whose mass reaches top_p
+    top_k: int = 0             # keep the k most likely tokens; 0 = no limit
+    seed: int | None = None    # None = a fresh seed per generation
+    max_new_tokens: int = 512
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class ReplyStats:
+    """Cumulative numbers for one answer; `new_tokens / target_steps` is the mean accepted length
+    (tokens gained per target forward, the bonus token included)."""
+
+    new_tokens: int = 0
+    elapsed_s: float = 0.0
+    target_steps: int = 0      # target forwards (verify rounds) spent on this answer
+    drafted: int = 0           # draft tokens proposed on the paths the target checked
+    accepted: int = 0          # of those, how many the target accepted
+    strategy: str = "plain"    # which drafter produced the tree: plain, prompt_lookup, eagle
+
+    @property
+    def tok_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def accept_len(self) -> float:
+        return self.new_tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
+    def accept_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+@dataclass(frozen=True)
+class ReplyEvent:
+    """One streamed piece of an answer: `delta` is the text added since the previous event."""
+
+    delta: str
+    stats: ReplyStats
+    notice: str | None = None   # e.g. "Dropped the 2 oldest turns to fit the context."
+    finish: str | None = None   # None while streaming; then "eos", "stop", "length" or "cancelled"

@@ -1,0 +1,10 @@
+"""The user-facing error types, re-exported so app/ can catch them from core."""
+
+from models.errors import (  # noqa: F401
+    AerieError,
+    ContextOverflowError,
+    HeadMismatchError,
+    ModelLoadError,
+    OutOfMemoryError,
+    UnsupportedModelError,
+)

@@ -1,0 +1,216 @@
+"""Draft trees: the shape one target forward verifies, as tensors.
+
+A tree holds N nodes in topological order (every parent before its children). Node 0 is the root:
+the newest token, already chosen but not yet in the target's KV cache. Every other node is a
+drafted token whose context is the committed prefix plus its ancestors. This module builds trees
+(by hand, as a chain, from EAGLE-1's static shape, or with EAGLE-2's expand and rerank steps) and
+derives what the verify forward needs: the 4D attention mask and the position ids.
+
+It knows nothing about models, heads or caches: it sees token ids, parent pointers and
+log-probabilities. Trees live on the CPU (they are small); `DraftTree.to` moves one.
+
+Dimensions: N tree nodes, P root-to-leaf paths, D max depth, V vocabulary, k frontier width,
+M drafted candidates in the rerank pool.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: Tensor         # (N,) int64 token ids; tokens[0] is the root
+    parents: Tensor        # (N,) int64; parents[0] == -1, parents[i] < i
+    depth: Tensor          # (N,) int64; depth[0] == 0
+    ancestor_mask: Tensor  # (N, N) bool; [i, j] iff j == i or j is an ancestor of i
+    paths: Tensor          # (P, D+1) int64; one row per leaf: node indices root..leaf, padded with -1
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.shape[1] - 1
+
+    def to(self, device: torch.device | str) -> "DraftTree":
+        return DraftTree(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def make_tree(tokens: Tensor | Sequence[int], parents: Tensor | Sequence[int]) -> DraftTree:
+    """Validate (tokens, parents) and derive depth, ancestor mask and root-to-leaf paths."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long, device="cpu")
+    parents = torch.as_tensor(parents, dtype=torch.long, device="cpu")
+    _check_parents(tokens, parents)
+    ancestor_mask = _ancestor_closure(parents)
+    depth = ancestor_mask.sum(-1) - 1  # a node's ancestors, itself excluded, one per level
+    paths = _root_to_leaf_paths(parents, ancestor_mask, depth)
+    return DraftTree(tokens, parents, depth, ancestor_mask, paths)
+
+
+def _check_parents(tokens: Tensor, parents: Tensor) -> None:
+    if tokens.ndim != 1 or tokens.numel() == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tuple(tokens.shape)}")
+    if parents.shape != tokens.shape:
+        raise ValueError(f"parents shape {tuple(parents.shape)} != tokens shape {tuple(tokens.shape)}")
+    if parents[0] != -1:
+        raise ValueError(f"node 0 is the root and must have parent -1, got {int(parents[0])}")
+    node = torch.arange(len(parents))
+    bad = ((parents < 0) | (parents >= node))[1:].nonzero()
+    if len(bad):
+        i = int(bad[0]) + 1
+        raise ValueError(f"parents must satisfy 0 <= parents[i] < i; node {i} has parent {int(parents[i])}")
+
+
+def _ancestor_closure(parents: Tensor) -> Tensor:
+    """(N,) parent pointers -> (N, N) bool: [i, j] iff j is i or an ancestor of i."""
+    # Walk all nodes towards the root at once: after s steps hop[i] is i's s-th ancestor (-1 past
+    # the root). The loop runs max_depth times.
+    node = torch.arange(len(parents))
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    hop = parents.clone()
+    while (live := hop >= 0).any():
+        mask[node[live], hop[live]] = True
+        hop = torch.where(live, parents[hop.clamp(min=0)], hop)
+    return mask
+
+
+def _root_to_leaf_paths(parents: Tensor, ancestor_mask: Tensor, depth: Tensor) -> Tensor:
+    """One row per leaf (a node that is nobody's parent): its ancestors, placed by depth."""
+    is_parent = torch.zeros(len(parents), dtype=torch.bool)
+    is_parent[parents[1:]] = True
+    leaves = (~is_parent).nonzero().squeeze(-1)                     # (P,)
+    leaf_row, node = ancestor_mask[leaves].nonzero(as_tuple=True)  # node lies on leaf_row's path
+    paths = torch.full((len(leaves), int(depth.max()) + 1), -1, dtype=torch.long)
+    paths[leaf_row, depth[node]] = node
+    return paths
+
+
+def root_only(root_token: int) -> DraftTree:
+    """N = 1: verify the root alone, i.e. plain decoding."""
+    return make_tree([root_token], [-1])
+
+
+def chain_tree(root_token: int, draft_tokens: Sequence[int]) -> DraftTree:
+    """A single path root -> draft_tokens[0] -> draft_tokens[1] -> ..."""
+    n = len(draft_tokens)
+    return make_tree([root_token, *draft_tokens], [-1, *range(n)])
+
+
+def children(tree: DraftTree) -> list[list[int]]:
+    """children(tree)[i] = the child node indices of node i, in index order."""
+    kids: list[list[int]] = [[] for _ in range(tree.size)]
+    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        kids[parent].append(i)
+    return kids
+
+
+def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype) -> Tensor:
+    """(1, 1, N, past_len+N) additive mask for one target forward over the tree tokens."""
+    # Node i sees the whole committed prefix, and inside the tree only itself and its ancestors:
+    # mask[i, past+j] = 0 iff ancestor_mask[i, j], else finfo.min (-inf that stays finite in sums).
+    n = tree.size
+    mask = torch.zeros(1, 1, n, past_len + n, dtype=dtype, device=tree.ancestor_mask.device)
+    mask[0, 0, :, past_len:].masked_fill_(~tree.ancestor_mask, torch.finfo(dtype).min)
+    return mask
+
+
+def tree_position_ids(tree: DraftTree, past_len: int) -> Tensor:
+    """(1, N): node i sits at position past_len + depth[i]; siblings share a position."""
+    return (past_len + tree.depth).unsqueeze(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-2 dynamic tree. The drafter runs the loop (it calls the head); these are its two steps.
+#   score(node) = sum of log p_draft along its path = log of the product of draft confidences.
+#   Expand: each of the k frontier nodes proposes its top_k children; all k*top_k join the pool,
+#   and the best top_k by score become the next frontier.
+#   Rerank: of the whole pool keep the best total_tokens - 1 by score; the root makes total_tokens.
+
+
+class Expansion(NamedTuple):
+    scores: Tensor       # (k*top_k,) cumulative log-prob of every candidate child, parent-major
+    tokens: Tensor       # (k*top_k,) their token ids
+    parent_slot: Tensor  # (k*top_k,) which frontier node (0..k-1) each candidate extends
+    frontier: Tensor     # (top_k,) indices into the candidates: the best top_k, best first
+
+
+def expand_frontier(frontier_scores: Tensor, child_logp: Tensor, top_k: int) -> Expansion:
+    """frontier_scores (k,), child_logp (k, V) draft log-probs -> every candidate and the next frontier.
+
+    All k*top_k candidates belong in the rerank pool (EAGLE-2 `topK_genrate` appends them all,
+    expanded or not); only `frontier` is fed to the head for the next level. For the root, pass
+    frontier_scores = zeros(1).
+    """
+    k, vocab = child_logp.shape
+    assert frontier_scores.shape == (k,), f"frontier_scores {tuple(frontier_scores.shape)} vs k={k}"
+    assert 0 < top_k <= vocab, f"top_k={top_k} must be in [1, V={vocab}]"
+    logp, tokens = child_logp.topk(top_k, dim=-1)                  # (k, top_k)
+    scores = (frontier_scores[:, None] + logp).flatten()          # (k*top_k,)
+    parent_slot = torch.arange(k, device=scores.device).repeat_interleave(top_k)
+    frontier = scores.topk(top_k).indices                          # (top_k,)
+    return Expansion(scores, tokens.flatten(), parent_slot, frontier)
+
+
+def rerank(
+    pool_scores: Tensor, pool_parents: Tensor, pool_tokens: Tensor, root_token: int, total_tokens: int
+) -> DraftTree:
+    """Keep the best total_tokens - 1 drafted candidates by score and return them as a tree.
+
+    pool_scores, pool_parents, pool_tokens: (M,). pool_parents[m] is the pool index of m's
+    parent (< m, the drafter appends level by level), or -1 for a child of the root.
+    """
+    assert total_tokens >= 1, f"total_tokens={total_tokens} counts the root, so must be >= 1"
+    pool_scores, pool_parents, pool_tokens = (t.cpu() for t in (pool_scores, pool_parents, pool_tokens))
+    n = min(total_tokens - 1, len(pool_scores))
+    # log p <= 0, so a child never outscores its parent; the stable sort breaks ties by pool index,
+    # parents first, so the kept set is closed under ancestors. Ascending pool order is topological.
+    best = torch.sort(pool_scores, descending=True, stable=True).indices[:n]
+    kept = best.sort().values                                      # (n,) pool indices
+    parent_pool = pool_parents[kept]                               # (n,)
+    parent_node = torch.searchsorted(kept, parent_pool.clamp(min=0)) + 1  # kept[j] is node j+1
+    parent_node = torch.where(parent_pool < 0, 0, parent_node)
+    found = kept[(parent_node - 1).clamp(0, max(n - 1, 0))] == parent_pool
+    closed = bool(((parent_pool < 0) | found).all())
+    assert closed, "rerank kept a node without its parent: a score rose along a path"
+    tokens = torch.cat([torch.tensor([root_token]), pool_tokens[kept].long()])
+    parents = torch.cat([torch.tensor([-1]), parent_node])
+    return make_tree(tokens, parents)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-1 static tree, as data. Each tuple is a path of top-k ranks from the root: (0, 1) is the
+# second most likely child of the most likely child. E@v1 `eagle/model/choices.py`; 25 nodes plus
+# the root, 4/8/8/3/2 nodes at depths 1..5.
+
+MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)
+
+
+def static_shape(choices: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+    """choices -> (parents (N,), rank (N,)), N = 1 + len(choices), node 0 the root (rank -1).
+
+    Node i is the rank[i]-th most likely child of node parents[i]. Nodes are ordered by depth,
+    then lexicographically (as E@v1 sorts them), so parents come first.
+    """
+    ordered = sorted((tuple(c) for c in choices), key=lambda c: (len(c), c))
+    node_of: dict[tuple[int, ...], int] = {(): 0}
+    parents, rank = [-1], [-1]
+    for path in ordered:
+        if not path or path in node_of or min(path) < 0:
+            raise ValueError(f"bad or repeated choice {path}")
+        if path[:-1] not in node_of:
+            raise ValueError(f"choice {path} has no parent {path[:-1]} in the list")
+        node_of[path] = len(parents)
+        parents.append(node_of[path[:-1]])
+        rank.append(path[-1])
+    return torch.tensor(parents), torch.tensor(rank)

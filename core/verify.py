@@ -1,0 +1,89 @@
+"""Accepting drafts: which part of a verified tree the target agrees with.
+
+One target forward over a `DraftTree` gives, for every node i, the target's next-token
+distribution after node i given the committed prefix and i's ancestors: row i of an (N, V)
+tensor. From those rows this module picks the accepted path and the one token the target adds
+after it (the bonus: a correction, or a free extra token when the whole path is accepted).
+
+It knows nothing about models, heads or caches: it sees a tree and the target's rows. The caller
+keeps `Acceptance.nodes` in the KV cache and emits `Acceptance.new_tokens`.
+
+Dimensions: N tree nodes, V vocabulary, a accepted draft tokens.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from core.sampling import sample
+from core.tree import DraftTree, children
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    nodes: Tensor          # (a+1,) int64 tree nodes to keep in the KV: the root, then the accepted path
+    new_tokens: list[int]  # the a accepted draft tokens, then the bonus token; len a+1
+
+    @property
+    def accepted(self) -> int:
+        return len(self.new_tokens) - 1
+
+
+def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
+    """target_logits (N, V) -> the longest path on which every draft is the target's argmax."""
+    # Node i is right iff tokens[i] == argmax(target row of parents[i]). A node is accepted iff it
+    # and all its ancestors are right; keep the deepest accepted node (the lowest index on ties) and
+    # emit its path plus argmax(row of that node), exactly what plain greedy decoding would emit.
+    target_next = target_logits.argmax(-1).to(tree.tokens.device)  # (N,) the one host sync
+    right = tree.tokens == target_next[tree.parents.clamp(min=0)]  # (N,)
+    right[0] = True
+    accepted = ~(tree.ancestor_mask & ~right).any(-1)             # (N,) node and ancestors right
+    last = int(torch.where(accepted, tree.depth, -1).argmax())    # argmax returns the first max
+    return _along_path(tree, last, int(target_next[last]))
+
+
+def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None) -> Acceptance:
+    """target_probs (N, V) -> a path and bonus distributed exactly as sampling from the target.
+
+    target_probs must be the distribution plain decoding samples from (`core.sampling.target_probs`).
+    Siblings are tried in index order; `generator` supplies every random draw.
+    """
+    # Drafts are top-k picks, so each candidate's draft probability is q(x) = 1 and the
+    # speculative test min(1, p(x)/q(x)) accepts x with probability p(x). On rejection the
+    # residual norm(max(0, p - q)) is p with p(x) set to 0, and the next sibling is tested against
+    # it (a repeated x now has p(x) = 0: rejected surely). If every child is rejected, or at a
+    # leaf, the bonus is drawn from the residual. Each emitted token is therefore ~ p exactly.
+    device = generator.device if generator is not None else target_probs.device
+    draws = torch.rand(tree.size, generator=generator, device=device).tolist()  # node i's test uses draws[i]
+    parents, tokens = tree.parents.clamp(min=0).to(target_probs.device), tree.tokens.to(target_probs.device)
+    p_node = target_probs[parents, tokens].tolist()          # (N,) p(tokens[i]) in the row of parents[i]
+    row_mass = target_probs.sum(-1).tolist()                 # (N,) 1 up to rounding
+    kids, token_of = children(tree), tree.tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        rejected, mass, chosen = set(), row_mass[node], None
+        for child in kids[node]:
+            x = token_of[child]
+            p_x = 0.0 if x in rejected else p_node[child]
+            if draws[child] * mass < p_x:                     # u < p_residual(x) / mass
+                chosen = child
+                break
+            rejected.add(x)
+            mass -= p_x
+        if chosen is None:
+            break
+        node = chosen
+        path.append(node)
+    residual = target_probs[node].clone()                     # (V,)
+    residual[list(rejected)] = 0.0
+    return _along_path(tree, node, int(sample(residual, generator)), path)
+
+
+def _along_path(tree: DraftTree, last: int, bonus: int, path: list[int] | None = None) -> Acceptance:
+    """The root-to-`last` path and its tokens, then the bonus token."""
+    if path is None:
+        nodes = tree.ancestor_mask[last].nonzero().squeeze(-1)  # ancestors in index order = root first
+    else:
+        nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
+    return Acceptance(nodes=nodes, new_tokens=[*tree.tokens[nodes[1:]].tolist(), bonus])

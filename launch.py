@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Aerie's launcher and only composition root.
+
+    python3 launch.py [--model M] [--quant nf4|none] ...   set up on first run, then chat in the browser
+    python3 launch.py test [pytest args]                    set up with the test extras, run the tests
+
+The first part runs on any Python >= 3.10 with the standard library only: it builds `.venv` next
+to this file, installs the dependencies listed in pyproject.toml (the single source) plus the
+embedded model, and re-runs itself inside that environment. Later starts skip straight to the app.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+STAMP = VENV / "aerie-setup.json"
+T0 = float(os.environ.setdefault("AERIE_T0", str(time.time())))  # start of this launch, across the re-exec
+
+
+# ---------------------------------------------------------------- bootstrap (stdlib only)
+
+def venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def pyproject_lists() -> dict[str, list[str]]:
+    """The dependency arrays of pyproject.toml: {"dependencies": [...], "test": [...], ...}.
+    A small reader so the bootstrap also runs on Python 3.10, which has no tomllib."""
+    text = (ROOT / "pyproject.toml").read_text()
+    lists = {}
+    for name, body in re.findall(r'^([\w-]+)\s*=\s*\[(.*?)^\]', text, flags=re.M | re.S):
+        lists[name] = re.findall(r'^\s*"([^"]+)"', body, flags=re.M)
+    return lists
+
+
+def ensure_environment(extras: tuple[str, ...]) -> None:
+    """Create .venv and install what pyproject.toml lists, unless the stamp says it is done."""
+    lists = pyproject_lists()
+    wanted = {"dependencies": lists["dependencies"], **{e: lists[e] for e in ("embedded", *extras)}}
+    digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
+    if STAMP.is_file() and json.loads(STAMP.read_text()).get("digest") == digest:
+        return
+    print(f"Aerie: setting up {VENV} (first run; a few minutes)...", flush=True)
+    if not venv_python().exists():
+        venv.create(VENV, with_pip=True)
+    pip = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check"]
+    steps = [pip + lists["dependencies"] + [p for e in extras for p in lists[e]],
+             pip + ["--no-deps"] + lists["embedded"]]  # its own deps would compile llama.cpp
+    for cmd in steps:
+        if subprocess.run(cmd).returncode != 0:
+            sys.exit("Aerie: installing dependencies failed (see pip's message above).")
+    STAMP.write_text(json.dumps({"digest": digest}))
+
+
+def in_venv() -> bool:
+    return Path(sys.prefix).resolve() == VENV.resolve()
+
+
+def bootstrap(argv: list[str]) -> None:
+    extras = ("test",) if argv[:1] == ["test"] else ()
+    ensure_environment(extras)
+    if not in_venv():
+        cmd = [str(venv_python()), str(ROOT / "launch.py"), *argv]
+        if os.name == "nt":  # no exec on Windows: run and pass the exit code on
+            sys.exit(subprocess.run(cmd).returncode)
+        os.execv(cmd[0], cmd)
+
+
+# ---------------------------------------------------------------- commands (inside .venv)
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch.py", description="Aerie: a fast local chat with lossless speculative decoding.")
+    p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quant", choices=["nf4", "none"], help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), none = full precision (default on CPU)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860, help="first port to try; the next free one is used if taken")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
+    return p.parse_args(argv)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")
+    return Path(base) / "aerie"
+
+
+def free_port(host: str, first: int) -> int:
+    for port in range(first, first + 100):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    raise SystemExit(f"Aerie: no free port in {first}-{first + 99} on {host}.")
+
+
+def run_tests(argv: list[str]) -> int:
+    return subprocess.run([sys.executable, "-m", "pytest", *argv], cwd=ROOT).returncode
+
+
+def run_app(args: argparse.Namespace) -> None:
+    from app.ui import build_ui, launch_kwargs
+    from core.chat import ChatService
+    from core.errors import AerieError
+    from core.factory import load_engine
+
+    def loader(model: str | None, quant: str | None):
+        return load_engine(model, quant, args.device, args.cache_dir)
+
+    try:
+        service = ChatService(loader(args.model, args.quant), loader)
+    except AerieError as e:
+        print(f"Aerie: {e}", file=sys.stderr)
+        sys.exit(2)
+    port = free_port(args.host, args.port)
+    demo = build_ui(service, {"title": "Aerie"})
+    demo.queue(default_concurrency_limit=1)
+    demo.launch(server_name=args.host, server_port=port, inbrowser=not args.no_browser,
+                prevent_thread_lock=True, **launch_kwargs())
+    print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label})", flush=True)
+    demo.block_thread()
+
+
+def main(argv: list[str]) -> None:
+    bootstrap(argv)
+    if argv[:1] == ["test"]:
+        sys.exit(run_tests(argv[1:]))
+    run_app(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,322 @@
+"""Finding, reading, validating and writing EAGLE draft-head checkpoints.
+
+A head is a folder (local, or a Hugging Face repo that is downloaded) holding config.json, a
+LlamaConfig with a few EAGLE fields (research/eagle.md 2.2, 3.3), and the weights, under the
+published SafeAILab key names (`expected_shapes`). safetensors is read first. A pickle
+`pytorch_model.bin` is read only when the user allows it, and even then with weights_only=True.
+The kind comes from the keys: `midlayer.*` is EAGLE-3, `layers.0.*` with `fc.weight` is EAGLE-1.
+Any other layout, missing key or wrong shape is an error; no key is guessed.
+
+`save_head` writes model.safetensors + config.json in the format that SafeAILab EAGLE, vLLM and
+SGLang load (eagle.md 10.3), and `load_head` reads it back.
+
+This module knows nothing about drafting. Of the target it knows only its config, embedding and LM head.
+"""
+
+import json
+import pickle
+import re
+from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from models.errors import HeadMismatchError, ModelLoadError, UnsupportedModelError
+from models.heads import EagleHead, HeadConfig, RopeScaling, build_head
+
+DEFAULT_ROPE_THETA = 10000.0  # EAGLE's head RoPE base when config.json has no rope_theta (eagle.md 2.1, 3.3)
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+ARCHITECTURES = {"eagle1": "LlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"}
+# Published keys that carry nothing the head uses. The EAGLE-1 embedding is a frozen copy of the target's.
+IGNORED_KEYS = {"eagle1": {"embed_tokens.weight", "layers.0.self_attn.rotary_emb.inv_freq"}, "eagle3": set()}
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def expected_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """The published key table: every tensor a checkpoint of this config holds, with its shape."""
+    H, I, q_out, kv_out = c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer, attn_in = ("layers.0.", H) if c.kind == "eagle1" else ("midlayer.", 2 * H)    # eagle.md 2.2 / 3.4
+    shapes = {
+        "fc.weight": (H, 2 * H if c.kind == "eagle1" else 3 * c.target_width),
+        f"{layer}self_attn.q_proj.weight": (q_out, attn_in),
+        f"{layer}self_attn.k_proj.weight": (kv_out, attn_in),
+        f"{layer}self_attn.v_proj.weight": (kv_out, attn_in),
+        f"{layer}self_attn.o_proj.weight": (H, q_out),
+        f"{layer}mlp.gate_proj.weight": (I, H),
+        f"{layer}mlp.up_proj.weight": (I, H),
+        f"{layer}mlp.down_proj.weight": (H, I),
+        f"{layer}post_attention_layernorm.weight": (H,),
+    }
+    if c.fc_bias:
+        shapes["fc.bias"] = (H,)
+    if c.qkv_bias:
+        shapes |= {f"{layer}self_attn.{p}_proj.bias": (n,) for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))}
+    if c.kind == "eagle3":
+        shapes |= {f"{layer}input_layernorm.weight": (H,), f"{layer}hidden_norm.weight": (H,), "norm.weight": (H,),
+                   "lm_head.weight": (c.draft_vocab_size, H), "d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
+    if c.own_embedding:
+        shapes["embed_tokens.weight"] = (c.vocab_size, H)
+    return shapes
+
+
+def load_head(source: str, target_config, target_embed: nn.Embedding, target_lm_head: nn.Module, *,
+              allow_pickle: bool = False, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
+    """Read the head at `source` (a local folder or a Hugging Face repo id) and check it fits the target."""
+    folder = _resolve(source, allow_pickle)
+    raw = _read_config(folder)
+    state = _read_weights(folder, allow_pickle)
+    config = _config_from_json(raw, **_layout(state, raw))
+    text_config = target_config.get_text_config()
+    _check_target(config, text_config)
+    state = _check_keys(config, state, folder)
+    if config.kind == "eagle3":
+        _check_vocab_map(config, state)
+        _check_feature_layers(raw, text_config.num_hidden_layers)
+    with torch.device("meta"):  # no random init: every tensor is assigned from the checkpoint
+        head = build_head(config, target_embed, target_lm_head)
+    head.load_state_dict(state, strict=True, assign=True)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def save_head(head: EagleHead, out_dir, dtype: torch.dtype = torch.float16) -> None:
+    """Write model.safetensors + config.json (eagle.md 10.3); float tensors are cast to `dtype`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
+             for k, t in head.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config_to_json(head.config, dtype), indent=2) + "\n")
+
+
+def head_config_for_target(target_config, kind: str, *, draft_vocab_size: int | None = None) -> HeadConfig:
+    """The config of a new head for this target: its shapes and RoPE, no biases (eagle.md 10.3)."""
+    raw = target_config.get_text_config().to_dict()
+    raw["draft_vocab_size"] = draft_vocab_size
+    return _config_from_json(raw, kind=kind, fc_bias=False, qkv_bias=False, own_embedding=False)
+
+
+def config_to_json(c: HeadConfig, dtype: torch.dtype = torch.float16) -> dict:
+    raw = {
+        "architectures": [ARCHITECTURES[c.kind]], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
+        "bias": c.fc_bias, "tie_word_embeddings": False, "torch_dtype": DTYPE_NAMES[dtype],
+    }
+    if c.head_dim != c.hidden_size // c.num_attention_heads:
+        raw["head_dim"] = c.head_dim
+    if c.qkv_bias:
+        raw["qkv_bias"] = True
+    if c.rope_scaling is not None:
+        s = c.rope_scaling
+        raw["rope_scaling"] = {"rope_type": s.kind, "factor": s.factor} if s.kind == "linear" else {
+            "rope_type": s.kind, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}
+    if c.kind == "eagle3":
+        raw["draft_vocab_size"] = c.draft_vocab_size
+        if c.target_hidden_size is not None:
+            raw["target_hidden_size"] = c.target_hidden_size
+    return raw
+
+
+def _resolve(source: str, allow_pickle: bool) -> Path:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelLoadError(f"{source} is a file; pass the folder that holds the head's config.json and weights.")
+    if not HUB_ID.match(source):
+        raise ModelLoadError(f"The head folder {source} does not exist; pass a local folder or a Hugging Face repo id.")
+    patterns = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+    if allow_pickle:
+        patterns += ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+    try:
+        return Path(snapshot_download(repo_id=source, allow_patterns=patterns))
+    except (OSError, ValueError) as err:  # hub errors are OSError; a malformed repo id is ValueError
+        raise ModelLoadError(f"The head {source} could not be downloaded from the Hugging Face Hub "
+                             f"({type(err).__name__}); check the name and connection, or pass a local folder.") from err
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"The head folder {folder} has no config.json; an EAGLE head needs one next to its weights.")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"The head's {path} is not valid JSON ({err}); fix or re-download it.") from err
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"The head's {path} is not a JSON object; fix or re-download it.")
+    return raw
+
+
+def _weight_files(folder: Path, single: str, index: str) -> list[Path]:
+    """The shard files named by `index` if it exists, else [single] if it exists, else []."""
+    if (folder / index).is_file():
+        try:
+            shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as err:
+            raise ModelLoadError(f"The head's {index} in {folder} is not a valid weight index ({err}); re-download it.") from err
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"The head in {folder} lacks the shards {missing} named by {index}; re-download it.")
+        return [folder / s for s in shards]
+    return [folder / single] if (folder / single).is_file() else []
+
+
+def _read_weights(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    if files := _weight_files(folder, "model.safetensors", "model.safetensors.index.json"):
+        try:
+            return {k: t for f in files for k, t in load_file(str(f)).items()}
+        except (SafetensorError, OSError) as err:
+            raise ModelLoadError(f"The head weights in {folder} could not be read ({err}); re-download them.") from err
+    pickles = _weight_files(folder, "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not pickles:
+        hint = "" if allow_pickle else ", or if the head ships only pytorch_model.bin rerun with --allow-pickle"
+        raise ModelLoadError(f"No head weights (model.safetensors) were found in {folder}; pass a folder that has them{hint}.")
+    if not allow_pickle:
+        raise ModelLoadError(f"The head in {folder} ships only pickle weights (pytorch_model.bin); "
+                             "rerun with --allow-pickle to load them, read as plain tensors only.")
+    state = {}
+    for f in pickles:
+        try:
+            part = torch.load(f, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+            raise ModelLoadError(f"The head weights {f} could not be read as plain tensors ({err}); use a safetensors copy.") from err
+        if not isinstance(part, dict) or not all(isinstance(t, torch.Tensor) for t in part.values()):
+            raise ModelLoadError(f"The head weights {f} are not a plain state dict of tensors; use a safetensors copy.")
+        state |= part
+    return state
+
+
+def _layout(state: dict, raw: dict) -> dict:
+    """Kind and bias/embedding flags, read from the keys (eagle.md 2.2, 3.4)."""
+    keys = set(state)
+    if any(k.startswith("midlayer.") for k in keys):
+        kind, layer = "eagle3", "midlayer."
+    elif "fc.weight" in keys and any(k.startswith("layers.0.") for k in keys) and "d2t" not in keys:
+        kind, layer = "eagle1", "layers.0."
+    else:
+        raise UnsupportedModelError(f"The head's weights are in an unknown layout (keys: {_names(keys)}); "
+                                    "Aerie reads the SafeAILab EAGLE-1 and EAGLE-3 layouts.")
+    if kind == "eagle1" and any("Eagle3" in a for a in raw.get("architectures") or []):
+        raise ModelLoadError("The head's config.json says EAGLE-3 but its weights are EAGLE-1 (layers.0.*); fix the config.")
+    fc_bias = "fc.bias" in keys
+    if kind == "eagle1" and "bias" in raw and bool(raw["bias"]) != fc_bias:  # cnets1.py: "bias" = fc bias
+        raise ModelLoadError(f"The head's config.json says bias={raw['bias']} but its weights "
+                             f"{'have' if fc_bias else 'lack'} fc.bias; make the two agree.")
+    return {"kind": kind, "fc_bias": fc_bias, "qkv_bias": f"{layer}self_attn.q_proj.bias" in keys,
+            # eagle1's embed_tokens is a copy of the target's (ignored); eagle3's is the head's own, as vLLM loads it
+            "own_embedding": kind == "eagle3" and "embed_tokens.weight" in keys}
+
+
+def _config_from_json(raw: dict, *, kind: str, fc_bias: bool, qkv_bias: bool, own_embedding: bool) -> HeadConfig:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"The head uses the {raw['hidden_act']} activation; Aerie's heads are SiLU (Llama) only.")
+    try:
+        H, heads, vocab = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["vocab_size"])
+        intermediate = int(raw["intermediate_size"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModelLoadError(f"The head's config.json lacks a valid {err}; it is not an EAGLE head config.") from err
+    target_hidden = raw.get("target_hidden_size") if kind == "eagle3" else None
+    rope_theta, rope_scaling = _rope(raw)
+    try:
+        return HeadConfig(
+            kind=kind, hidden_size=H, num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),  # LlamaConfig default: no GQA
+            head_dim=int(raw.get("head_dim") or H // heads), intermediate_size=intermediate,
+            vocab_size=vocab, draft_vocab_size=int(raw.get("draft_vocab_size") or vocab) if kind == "eagle3" else vocab,
+            rope_theta=rope_theta, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),  # LlamaConfig defaults
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            fc_bias=fc_bias, qkv_bias=qkv_bias, rope_scaling=rope_scaling,
+            target_hidden_size=int(target_hidden) if target_hidden and target_hidden != H else None,
+            own_embedding=own_embedding or bool(target_hidden and target_hidden != H),
+        )
+    except ValueError as err:
+        raise ModelLoadError(f"The head's config.json is inconsistent: {err}.") from err
+
+
+def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta") or raw.get("rope_theta") or DEFAULT_ROPE_THETA)
+    kind = params.get("rope_type", params.get("type", "default"))
+    try:
+        if kind == "default":
+            return theta, None
+        if kind == "linear":
+            return theta, RopeScaling("linear", float(params["factor"]))
+        if kind == "llama3":
+            return theta, RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                                      float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    except KeyError as err:
+        raise ModelLoadError(f"The head's {kind} rope scaling lacks {err}; fix its config.json.") from err
+    raise UnsupportedModelError(f"The head uses {kind} RoPE scaling, which Aerie does not implement; "
+                                "use a head with default, linear or llama3 RoPE.")
+
+
+def _check_target(c: HeadConfig, text_config) -> None:
+    if c.target_width != text_config.hidden_size:
+        raise HeadMismatchError(f"The draft head was made for a target hidden size of {c.target_width} but this "
+                                f"model's is {text_config.hidden_size}; use a head made for this model.")
+    if c.vocab_size != text_config.vocab_size:
+        raise HeadMismatchError(f"The draft head was made for a vocabulary of {c.vocab_size} tokens but this model "
+                                f"has {text_config.vocab_size}; use a head made for this model.")
+
+
+def _check_keys(c: HeadConfig, state: dict, folder: Path) -> dict:
+    """The state dict the head loads: ignored keys dropped, derivable buffers filled, shapes checked."""
+    shapes = expected_shapes(c)
+    state = {k: t for k, t in state.items() if k not in IGNORED_KEYS[c.kind] - shapes.keys()}
+    if c.kind == "eagle3" and "d2t" not in state and c.draft_vocab_size == c.vocab_size:
+        state["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)  # full vocabulary: identity map
+    derivable = {"t2d"} if c.kind == "eagle3" and "d2t" in state else set()  # t2d is implied by d2t
+    missing, unexpected = sorted(shapes.keys() - state.keys() - derivable), sorted(state.keys() - shapes.keys())
+    if missing or unexpected:
+        found = "; ".join(f"{name} {_names(keys)}" for name, keys in (("missing", missing), ("unexpected", unexpected)) if keys)
+        raise ModelLoadError(f"The head in {folder} does not match the {c.kind} layout ({found}); "
+                             "check that config.json and the weights belong together.")
+    for k, shape in shapes.items():
+        if k in state and tuple(state[k].shape) != shape:
+            raise ModelLoadError(f"The head tensor {k} has shape {tuple(state[k].shape)} but its config.json implies "
+                                 f"{shape}; check that config.json and the weights belong together.")
+    if c.kind == "eagle3":
+        if state["d2t"].is_floating_point():
+            raise ModelLoadError("The head's d2t map holds floats instead of token offsets; re-export the head.")
+        state["d2t"] = state["d2t"].long()
+    return state
+
+
+def _check_vocab_map(c: HeadConfig, state: dict) -> None:
+    """d2t must land inside the target vocabulary; t2d, if absent, is derived from it."""
+    target_ids = torch.arange(c.draft_vocab_size) + state["d2t"]  # draft index i is target id i + d2t[i]
+    low, high = int(target_ids.min()), int(target_ids.max())
+    if low < 0 or high >= c.vocab_size:
+        raise HeadMismatchError(f"The draft head maps its vocabulary onto target ids {low}..{high} but this model "
+                                f"has {c.vocab_size} tokens; use a head made for this model.")
+    if "t2d" not in state:
+        state["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
+    state["t2d"] = state["t2d"].bool()
+
+
+def _check_feature_layers(raw: dict, num_layers: int) -> None:
+    """Engines let a config pin the EAGLE-3 feature layers, vLLM by HF index, SGLang one lower (eagle.md 10.1, 10.2).
+    Only the default layers are supported; a pinned list must be the default in either convention."""
+    eagle = raw.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state") is False:
+        raise UnsupportedModelError("The head reads no fused target features (use_aux_hidden_state is false); Aerie needs a standard EAGLE-3 head.")
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+    default = (2, num_layers // 2, num_layers - 3)
+    if ids is not None and tuple(ids) not in (default, tuple(i - 1 for i in default)):
+        raise UnsupportedModelError(f"The head reads target layers {list(ids)} instead of EAGLE-3's default "
+                                    f"{list(default)}; Aerie supports only the default layers.")
+
+
+def _names(keys, limit: int = 8) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more

@@ -1,0 +1,312 @@
+"""EAGLE draft heads: the two published architectures as small modules.
+
+`Eagle1Head` is the EAGLE-1/EAGLE-2 head (SafeAILab `cnets1.py`, research/eagle.md section 2):
+fc 2H->H over [embedding, feature], one Llama decoder layer with no input norm, and the target's
+own embedding and LM head, shared and never copied. Its output is the predicted next target
+feature (the post-final-norm hidden state), so its logits are target_lm_head(output).
+
+`Eagle3Head` is the EAGLE-3 head (`cnets.py`, section 3): fc 3H->H fuses three target layers,
+then one "midlayer" whose q/k/v read [input_layernorm(embedding), hidden_norm(feature)] (2H). It
+has its own final norm and an LM head over a reduced draft vocabulary; draft index i is target
+id i + d2t[i]. Its output is pre-norm, and the caller feeds it back as the next step's feature.
+
+Module attribute names are the published checkpoint keys, so `state_dict()` is the checkpoint.
+This module knows nothing about files, trees or the target's forward. The caller captures the
+features, pairs them with tokens and owns the KV cache. Files live in head_checkpoint.py.
+
+Shapes: T tokens in this call, P positions already cached, H head width, F feature width (H or
+3H), nh / nkv query / key-value heads, Dh head dim, V target vocab, Vd draft vocab.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache
+
+KINDS = ("eagle1", "eagle3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A Llama `rope_scaling` block of one of the two kinds implemented in `rope_inv_freq`."""
+
+    kind: str                                       # "linear" or "llama3"
+    factor: float                                   # how far the context is stretched
+    low_freq_factor: float = 1.0                    # llama3 only
+    high_freq_factor: float = 4.0                   # llama3 only
+    original_max_position_embeddings: int = 8192    # llama3 only: the pre-training context
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """A head's shape, parsed from its config.json (SafeAILab fields, eagle.md 2.2 and 3.3).
+
+    `fc_bias`, `qkv_bias` and `own_embedding` describe the weight layout: the loader reads them
+    from the checkpoint's keys, not from config.json.
+    """
+
+    kind: str                      # "eagle1" (EAGLE-1/2 heads, cnets1.py) or "eagle3" (cnets.py)
+    hidden_size: int               # H: width of the head's decoder layer
+    num_attention_heads: int       # nh
+    num_key_value_heads: int       # nkv; nkv < nh is grouped-query attention
+    head_dim: int                  # Dh: config `head_dim`, else H // nh
+    intermediate_size: int         # MLP width
+    vocab_size: int                # V: the target's vocabulary
+    draft_vocab_size: int          # Vd: rows of the eagle3 lm_head; == V for eagle1
+    rope_theta: float              # the head's own RoPE base; 10000 when config.json has none
+    rms_norm_eps: float
+    max_position_embeddings: int   # recorded for export only: the RoPE here has no length limit
+    fc_bias: bool                  # fc has a bias (EAGLE-1 Vicuna / LLaMA2 heads)
+    qkv_bias: bool = False         # q/k/v have biases (EAGLE-1 Qwen2 heads)
+    target_hidden_size: int | None = None   # eagle3: width of one target feature if it is not H
+    own_embedding: bool = False    # eagle3: the head carries `embed_tokens` instead of the target's
+    rope_scaling: RopeScaling | None = None  # None = plain RoPE
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
+            raise ValueError(f"{self.num_attention_heads} heads cannot share {self.num_key_value_heads} "
+                             f"key-value heads of odd or unequal size {self.head_dim}")
+        if self.kind == "eagle1" and (self.draft_vocab_size != self.vocab_size or self.own_embedding
+                                      or self.target_width != self.hidden_size):
+            raise ValueError("an eagle1 head uses the target's vocabulary, embedding and width")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft vocabulary {self.draft_vocab_size} exceeds the target's {self.vocab_size}")
+        if self.target_width != self.hidden_size and not self.own_embedding:
+            raise ValueError("a head narrower or wider than its target needs its own embedding")
+
+    @property
+    def target_width(self) -> int:
+        """Width of one target feature: fc reads 3x this (eagle3); eagle1 reads exactly this."""
+        return self.target_hidden_size or self.hidden_size
+
+
+def rope_inv_freq(config: HeadConfig) -> torch.Tensor:
+    """(Dh/2,) float32 rotary frequencies theta^(-2i/Dh), with `rope_scaling` applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":  # position p is read as p / factor
+        return inv_freq / scaling.factor
+    # llama3: r = context / wavelength. Frequencies with r < low are divided by factor, those with
+    # r > high are kept, and those in between interpolate linearly in r.
+    ratio = scaling.original_max_position_embeddings * inv_freq / (2 * math.pi)
+    keep = ((ratio - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+    return (1 - keep) * inv_freq / scaling.factor + keep * inv_freq
+
+
+class Rotary(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (Dh/2,) fp32
+
+    def _apply(self, fn, recurse=True):
+        # .half() or .to(dtype) would round inv_freq to 16 bits, an angle error of about
+        # position * 5e-4 rad. Let fn move it, then put the fp32 values back on the new device.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids[..., None].float() * self.inv_freq   # (1, T, Dh/2)
+        angles = torch.cat([angles, angles], dim=-1)[:, None]      # (1, 1, T, Dh)
+        return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotate each pair (x_i, x_{i+Dh/2}) by angle position * inv_freq_i.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # weight * x / sqrt(mean(x^2) + eps), normalised in fp32 as HF Llama does.
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: HeadConfig, in_features: int):
+        super().__init__()
+        self.head_dim = config.head_dim
+        q_out, kv_out = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        self.q_proj = nn.Linear(in_features, q_out, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(in_features, kv_out, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(in_features, kv_out, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_out, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, Dh)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, Dh)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, Dh)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, 0)  # (B, nkv, P+T, Dh): the head's one layer is layer 0
+        repeat = q.shape[1] // k.shape[1]
+        if repeat > 1:  # grouped-query attention: each key-value head serves `repeat` query heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        assert mask.shape[-2:] == (T, k.shape[2]), f"mask {tuple(mask.shape)} does not cover {T} x {k.shape[2]}"
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))  # (B, nh, T, Dh)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Eagle1Layer(nn.Module):
+    """A Llama decoder layer without `input_layernorm` (cnets1.py skips it for layer 0)."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.self_attn = Attention(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, mask, cache) -> torch.Tensor:
+        h = h + self.self_attn(h, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 midlayer: attention over [norm(embedding), norm(feature)], residual = feature."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.self_attn = Attention(config, 2 * config.hidden_size)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, emb, h, cos, sin, mask, cache) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # (1, T, 2H)
+        h = h + self.self_attn(x, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """The target's modules a head uses by reference. A plain attribute, so they stay out of the
+    head's state_dict(), parameters() and .to(): the head does not own them."""
+
+    embed: nn.Module
+    lm_head: nn.Module | None
+
+
+class EagleHead(nn.Module):
+    """What the engine sees of a head, whichever kind."""
+
+    config: HeadConfig
+
+    def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """Indices into the target's HF `output_hidden_states` tuple that form the head's input feature
+        (concatenated in this order). hidden_states[i] is the input of decoder layer i; 0 is the embedding."""
+        raise NotImplementedError
+
+    def forward(self, features: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        """features (1, T, F) at positions t; token_ids (1, T): the token at t+1 for each feature t
+        (the shift by one is the caller's job); position_ids (1, T); attention_mask (1, 1, T, P+T)
+        additive (0 attends, finfo.min blocks); cache: any transformers Cache (layer 0), or None.
+        Returns the head's hidden state (1, T, H) for the token after token_ids."""
+        raise NotImplementedError
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., Vd) logits over the draft vocabulary."""
+        raise NotImplementedError
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> target token ids."""
+        return draft_ids
+
+
+class Eagle1Head(EagleHead):
+    def __init__(self, config: HeadConfig, target_embed: nn.Module, target_lm_head: nn.Module):
+        super().__init__()
+        assert config.kind == "eagle1", config.kind
+        self.config = config
+        self.target = TargetParts(target_embed, target_lm_head)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        self.layers = nn.ModuleList([Eagle1Layer(config)])
+        self.rotary = Rotary(config)
+
+    def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        return (num_target_layers,)  # hidden_states[-1]: last layer's output after the final norm
+
+    def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        emb = self.target.embed(token_ids).to(self.fc.weight.dtype)      # (1, T, H)
+        h = self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))    # (1, T, 2H) -> (1, T, H)
+        cos, sin = self.rotary(position_ids)
+        return self.layers[0](h, cos, sin, attention_mask, cache)        # (1, T, H) next feature
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # No norm: the head was trained to predict the target's post-norm feature.
+        return self.target.lm_head(hidden)  # (..., V)
+
+
+class Eagle3Head(EagleHead):
+    def __init__(self, config: HeadConfig, target_embed: nn.Module):
+        super().__init__()
+        assert config.kind == "eagle3", config.kind
+        H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        self.config = config
+        self.target = TargetParts(target_embed, None)
+        if config.own_embedding:
+            self.embed_tokens = nn.Embedding(V, H)
+        self.fc = nn.Linear(3 * config.target_width, H, bias=config.fc_bias)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))  # draft i -> target i + d2t[i]
+        self.register_buffer("t2d", torch.arange(V) < Vd)              # target id is in the draft vocab
+        self.rotary = Rotary(config)
+
+    def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        L = num_target_layers
+        return (2, L // 2, L - 3)  # inputs of decoder layers 2, L//2, L-3 (eagle.md 0.1)
+
+    def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        embed = self.embed_tokens if self.config.own_embedding else self.target.embed
+        emb = embed(token_ids).to(self.fc.weight.dtype)  # (1, T, H)
+        h = features.to(emb.dtype)                       # (1, T, F)
+        if h.shape[-1] != self.config.hidden_size:       # fuse target features; own outputs go in as is
+            assert h.shape[-1] == self.fc.in_features, f"feature width {h.shape[-1]}"
+            h = self.fc(h)                               # (1, T, 3H) -> (1, T, H)
+        cos, sin = self.rotary(position_ids)
+        return self.midlayer(emb, h, cos, sin, attention_mask, cache)  # (1, T, H), pre-norm
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # (..., Vd)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def build_head(config: HeadConfig, target_embed: nn.Module, target_lm_head: nn.Module) -> EagleHead:
+    """A randomly initialised head of `config.kind` (the loader then assigns the weights)."""
+    if config.kind == "eagle1":
+        return Eagle1Head(config, target_embed, target_lm_head)
+    return Eagle3Head(config, target_embed)

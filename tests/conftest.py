@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random Llama targets built in the test, and the real embedded model."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models.embedded import embedded_model_dir
+from models.target import LoadSpec, Target, load_target
+
+
+def tiny_llama(vocab_size: int = 256, seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_target(model=None, tokenizer=None, eos_ids=(), context_len: int = 512) -> Target:
+    model = model if model is not None else tiny_llama()
+    return Target(model=model, tokenizer=tokenizer, name="tiny-llama", device=torch.device("cpu"), quant="none",
+                  dtype=torch.float32, context_len=context_len, eos_ids=tuple(eos_ids))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("aerie-cache")
+
+
+@pytest.fixture(scope="session")
+def embedded_dir(cache_dir) -> Path:
+    """The embedded GGUF converted once per test session (about 20 s)."""
+    return embedded_model_dir(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded_target(embedded_dir, cache_dir) -> Target:
+    return load_target(LoadSpec(model=None, quant="none", device="cpu", cache_dir=cache_dir))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_target):
+    return embedded_target.tokenizer

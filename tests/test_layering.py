@@ -1,0 +1,38 @@
+"""DESIGN invariant 5: imports flow app -> core -> models, never back; app/ never imports torch."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN = {
+    "app": {"torch", "transformers", "bitsandbytes", "models"},
+    "core": {"app", "gradio"},
+    "models": {"core", "app", "gradio"},
+}
+
+
+def imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_no_backward_or_forbidden_imports():
+    bad = []
+    for layer, forbidden in FORBIDDEN.items():
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for name in imported_roots(path) & forbidden:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_the_ui_does_not_load_torch():
+    code = "import sys, app.ui, app.handlers; assert 'torch' not in sys.modules, 'torch was imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
