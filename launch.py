@@ -78,16 +78,41 @@ def bootstrap(argv: list[str]) -> None:
 
 # ---------------------------------------------------------------- commands (inside .venv)
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch.py", description="Aerie: a fast local chat with lossless speculative decoding.")
+def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch.py" + (" bench" if bench else ""),
+                                description="Aerie: a fast local chat with lossless speculative decoding.")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quant", choices=["nf4", "none"], help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), none = full precision (default on CPU)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=7860, help="first port to try; the next free one is used if taken")
-    p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
+    p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
+    p.add_argument("--depth", type=int, default=5, help="EAGLE tree: expansion steps (longest draft = depth + 1)")
+    p.add_argument("--top-k", type=int, default=8, help="EAGLE tree: children per expanded node")
+    p.add_argument("--total-tokens", type=int, default=32, help="EAGLE tree: tokens verified per round, root included")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
+    if bench:
+        p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "bench" / "mt_bench.jsonl", help="MT-bench style jsonl (first turns are used)")
+        p.add_argument("--limit", type=int, help="number of prompts, picked round-robin across categories")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--context", type=int, default=0, help="pad each prompt with filler to about this many tokens")
+        p.add_argument("--strategies", help="comma-separated subset (plain always runs)")
+    else:
+        p.add_argument("--strategy", default="auto", choices=["auto", "eagle", "prompt_lookup", "plain"],
+                       help="auto = eagle with a head, prompt lookup without")
+        p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
+        p.add_argument("--port", type=int, default=7860, help="first port to try; the next free one is used if taken")
+        p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     return p.parse_args(argv)
+
+
+def engine_spec(args: argparse.Namespace, **overrides):
+    from core.config import TreeConfig
+    from core.factory import EngineSpec
+
+    fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=args.head,
+                  allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"),
+                  tree=TreeConfig(args.depth, args.top_k, args.total_tokens))
+    return EngineSpec(**{**fields, **overrides})
 
 
 def default_cache_dir() -> Path:
@@ -110,6 +135,11 @@ def run_tests(argv: list[str]) -> int:
     return subprocess.run([sys.executable, "-m", "pytest", *argv], cwd=ROOT).returncode
 
 
+def fail(message: object) -> None:
+    print(f"Aerie: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def run_app(args: argparse.Namespace) -> None:
     from app.ui import build_ui, launch_kwargs
     from core.chat import ChatService
@@ -117,13 +147,12 @@ def run_app(args: argparse.Namespace) -> None:
     from core.factory import load_engine
 
     def loader(model: str | None, quant: str | None):
-        return load_engine(model, quant, args.device, args.cache_dir)
+        return load_engine(engine_spec(args, model=model, quant=quant))
 
     try:
         service = ChatService(loader(args.model, args.quant), loader)
     except AerieError as e:
-        print(f"Aerie: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(e)
     port = free_port(args.host, args.port)
     demo = build_ui(service, {"title": "Aerie"})
     demo.queue(default_concurrency_limit=1)
@@ -133,10 +162,25 @@ def run_app(args: argparse.Namespace) -> None:
     demo.block_thread()
 
 
+def run_bench(args: argparse.Namespace) -> None:
+    from core.bench import bench
+    from core.errors import AerieError
+
+    strategies = tuple(args.strategies.split(",")) if args.strategies else None
+    try:
+        report = bench(engine_spec(args), args.prompts, args.limit, args.max_new_tokens, args.context, strategies)
+    except AerieError as e:
+        fail(e)
+    print(json.dumps(report))
+
+
 def main(argv: list[str]) -> None:
     bootstrap(argv)
     if argv[:1] == ["test"]:
         sys.exit(run_tests(argv[1:]))
+    if argv[:1] == ["bench"]:
+        run_bench(parse_args(argv[1:], bench=True))
+        return
     run_app(parse_args(argv))
 
 

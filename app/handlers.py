@@ -15,14 +15,7 @@ from typing import Any
 import gradio as gr
 
 from core.config import ReplyStats, SamplingConfig
-from core.errors import (
-    AerieError,
-    ContextOverflowError,
-    HeadMismatchError,
-    ModelLoadError,
-    OutOfMemoryError,
-    UnsupportedModelError,
-)
+from core.errors import AerieError
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +29,18 @@ class SettingsError(AerieError):
     """A settings value the user typed cannot be used; the message names the field."""
 
 
-ERROR_TITLES = {
-    SettingsError: "Check the settings",
-    ContextOverflowError: "Conversation too long",
-    OutOfMemoryError: "Out of memory",
-    ModelLoadError: "Model not loaded",
-    UnsupportedModelError: "Model not supported",
-    HeadMismatchError: "Draft head does not fit",
-}
-
-
 class Cancels:
     """The cancel flag of each browser session's running reply, keyed by session hash.
 
     It lives in build_ui, not in gr.State: State values are deep-copied, and the Event must be
-    the very object the service polls between steps.
+    the very object the service polls between steps. A reply cancelled by Clear is also marked
+    discarded, so that its last updates do not bring the cleared chat back.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._events: dict[str, threading.Event] = {}
+        self._discarded: set[int] = set()  # ids of running events whose output the page threw away
 
     def start(self, key: str) -> threading.Event:
         event = threading.Event()
@@ -63,15 +48,22 @@ class Cancels:
             self._events[key] = event
         return event
 
-    def cancel(self, key: str) -> bool:
+    def cancel(self, key: str, discard: bool = False) -> bool:
         with self._lock:
             event = self._events.get(key)
+            if event is not None and discard:
+                self._discarded.add(id(event))
         if event is not None:
             event.set()
         return event is not None
 
+    def discarded(self, event: threading.Event) -> bool:
+        with self._lock:
+            return id(event) in self._discarded
+
     def finish(self, key: str, event: threading.Event) -> None:
         with self._lock:
+            self._discarded.discard(id(event))
             if self._events.get(key) is event:
                 del self._events[key]
 
@@ -172,7 +164,7 @@ def format_stats(stats: ReplyStats, finish: str | None = None) -> str:
     """One compact Markdown line: tokens, speed, mean accepted length, acceptance, strategy."""
     rate = "—" if stats.accept_rate is None else f"{stats.accept_rate:.0%}"
     parts = [
-        f"**{stats.new_tokens}** tokens",
+        f"**{stats.new_tokens}** token{'' if stats.new_tokens == 1 else 's'}",
         f"**{stats.tok_s:.1f}** tok/s",
         f"accepted length **{stats.accept_len:.2f}**",
         f"acceptance **{rate}**",
@@ -187,35 +179,33 @@ def header(label: str) -> str:
     return f"## Aerie\n<span class='aerie-label'>{html.escape(label)}</span>"
 
 
-def toast(level: str, message: str, title: str | None = None) -> None:
-    """A toast in the page (shown only from queued events); toasts render HTML, so escape it."""
+def toast(level: str, message: str) -> None:
+    """A toast in the page (shown only from queued events). Toasts render HTML, so escape it;
+    Gradio 6.31 titles them by level and ignores a `title`, so the message must stand alone."""
     show = gr.Info if level == "info" else gr.Warning
-    kwargs = {"title": title} if title else {}
-    show(html.escape(message), duration=6 if level == "info" else 15, **kwargs)
+    show(html.escape(message), duration=6 if level == "info" else 15)
 
 
 def _report(exc: Exception, what: str) -> None:
     """Tell the user about a failure without a traceback; unexpected ones go to the log in full."""
     if isinstance(exc, AerieError):
-        title = next((ERROR_TITLES[c] for c in type(exc).__mro__ if c in ERROR_TITLES), f"Could not {what}")
-        log.info("%s: %s", title, exc)
-        toast("warning", str(exc) or title, title)
+        log.info("Could not %s: %s", what, exc)
+        toast("warning", str(exc) or f"Could not {what}.")
         return
     log.exception("Unexpected error while trying to %s", what)
     first_line = (str(exc).strip().splitlines() or [""])[0][:160]
     detail = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
-    toast("warning", f"Unexpected error ({detail}). The details are in the console.", f"Could not {what}")
+    toast("warning", f"Could not {what}: unexpected {detail}. The details are in the console.")
 
 
 def controls(mode: str, clear_textbox: bool = False) -> tuple[dict, ...]:
-    """Updates for (textbox, send, stop, regenerate, clear, load) in a mode: idle, answering, loading."""
+    """Updates for (textbox, send, stop, regenerate, load) in a mode: idle, answering or loading."""
     idle, answering = mode == "idle", mode == "answering"
     textbox = gr.update(interactive=idle, value="") if clear_textbox else gr.update(interactive=idle)
     return (
         textbox,
         gr.update(interactive=idle, visible=not answering),
         gr.update(visible=answering),
-        gr.update(interactive=idle),
         gr.update(interactive=idle),
         gr.update(interactive=idle),
     )
@@ -235,7 +225,8 @@ def take_message(message: str) -> tuple:
 
 def _answer(service: Any, cancels: Cancels, key: str, chat: Chat, system_prompt: str,
             settings: tuple) -> Iterator[tuple[Chat, str]]:
-    """Stream an answer to the last user turn of `chat`, yielding (chat, stats line).
+    """Stream an answer to the last user turn of `chat`, yielding (chat, stats line); `settings`
+    are the page's raw (temperature, top_p, top_k, seed, max_new_tokens, stop_text).
 
     On any failure the page keeps `chat` as it was (the user's turn stays, no half answer) and
     the user gets a toast. The cancel flag is set on the way out, so a closed page stops the work.
@@ -243,19 +234,21 @@ def _answer(service: Any, cancels: Cancels, key: str, chat: Chat, system_prompt:
     cancel = cancels.start(key)
     text, stats, notices = "", None, set()
     try:
-        sampling = parse_settings(*settings[:5])
-        stops = parse_stop_strings(settings[5])
+        *numbers, stop_text = settings
+        sampling, stops = parse_settings(*numbers), parse_stop_strings(stop_text)
         events = service.reply(service_messages(chat), system_prompt or "", sampling, stops, cancel)
         for event in events:
             text, stats = text + event.delta, event.stats
             if event.notice and event.notice not in notices:
                 notices.add(event.notice)
-                toast("info", event.notice, "Note")
-            answer = [{"role": "assistant", "content": text}] if text else []
-            yield chat + answer, format_stats(stats, event.finish)
+                toast("info", event.notice)
+            if not cancels.discarded(cancel):
+                answer = [{"role": "assistant", "content": text}] if text else []
+                yield chat + answer, format_stats(stats, event.finish)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged
         _report(exc, "answer")
-        yield chat, format_stats(stats, "error") if stats else ""
+        if not cancels.discarded(cancel):
+            yield chat, format_stats(stats, "error") if stats else ""
     finally:
         cancel.set()
         cancels.finish(key, cancel)
@@ -296,8 +289,10 @@ def stop(cancels: Cancels, request: gr.Request | None = None) -> None:
     cancels.cancel(session_key(request))
 
 
-def clear() -> tuple[Chat, str]:
-    return [], ""
+def clear(cancels: Cancels, request: gr.Request | None = None) -> tuple:
+    """Empty the chat and the stats line; a reply still running is stopped, the page unlocked."""
+    cancels.cancel(session_key(request), discard=True)
+    return ([], "", *controls("idle"))
 
 
 def begin_load() -> tuple:
@@ -319,7 +314,7 @@ def load_model(service: Any, model: Any, quant: Any, system_prompt: str) -> tupl
     except Exception as exc:  # noqa: BLE001 - as in _answer
         _report(exc, "load the model")
         return header(service.label), model_status(service.label), system_prompt
-    toast("info", f"Loaded {label}", "Model ready")
+    toast("info", f"Loaded {label}")
     prompt = service.default_system_prompt if system_prompt == old_default else system_prompt
     return header(label), model_status(label), prompt
 

@@ -98,22 +98,20 @@ def _chat_panel() -> SimpleNamespace:
     chatbot = gr.Chatbot(label="Chat", show_label=False, elem_id="aerie-chat", height="65vh",
                          placeholder="Ask anything. Answers stream as they are written.",
                          buttons=["copy", "copy_all"], feedback_options=None)
-    stats = gr.Markdown("", elem_id="aerie-stats")
+    stats = gr.Markdown("", label="Stats", elem_id="aerie-stats")
     with gr.Row(elem_id="aerie-input", equal_height=True):
         textbox = gr.Textbox(show_label=False, placeholder="Message Aerie (Enter sends, Shift+Enter: new line)",
                              lines=1, max_lines=10, scale=8, autofocus=True, container=False)
         send = gr.Button("Send", variant="primary", scale=1, min_width=90)
         stop = gr.Button("Stop", variant="stop", scale=1, min_width=90, visible=False)
-    with gr.Row(elem_id="aerie-actions"):
-        regen = gr.Button("Regenerate", size="sm")
-        clear = gr.Button("Clear", size="sm")
+        regen = gr.Button("Regenerate", scale=1, min_width=110)
     pending = gr.Textbox(visible=False)  # the message on its way from the textbox to respond
     return SimpleNamespace(chatbot=chatbot, stats=stats, textbox=textbox, send=send, stop=stop,
-                           regen=regen, clear=clear, pending=pending)
+                           regen=regen, pending=pending)
 
 
 def _wire(service: Any, cancels: handlers.Cancels, p: SimpleNamespace) -> None:
-    lock = [p.textbox, p.send, p.stop, p.regen, p.clear, p.load]  # the order of handlers.controls
+    lock = [p.textbox, p.send, p.stop, p.regen, p.load]  # the order of handlers.controls
     quick = {"queue": False, "api_visibility": "private"}
     answer = {"outputs": [p.chatbot, p.stats], "concurrency_id": ENGINE, "concurrency_limit": 1,
               "show_progress": "minimal", "show_progress_on": p.chatbot}
@@ -121,17 +119,19 @@ def _wire(service: Any, cancels: handlers.Cancels, p: SimpleNamespace) -> None:
     def unlock():
         return handlers.controls("idle")
 
-    gr.on([p.textbox.submit, p.send.click], handlers.take_message, inputs=p.textbox,
-          outputs=[p.pending, *lock], **quick
-          ).then(bind(handlers.respond, service, cancels), inputs=[p.pending, p.chatbot, *p.settings],
-                 api_name="respond", **answer
-          ).then(unlock, outputs=lock, **quick)
-    p.regen.click(lambda: handlers.controls("answering"), outputs=lock, **quick
-                  ).then(bind(handlers.regenerate, service, cancels), inputs=[p.chatbot, *p.settings],
-                         api_name="regenerate", **answer
-                  ).then(unlock, outputs=lock, **quick)
+    send = gr.on([p.textbox.submit, p.send.click], handlers.take_message, inputs=p.textbox,
+                 outputs=[p.pending, *lock], **quick)
+    respond = send.then(bind(handlers.respond, service, cancels), inputs=[p.pending, p.chatbot, *p.settings],
+                        api_name="respond", **answer)
+    respond.then(unlock, outputs=lock, **quick)
+    again = p.regen.click(lambda: handlers.controls("answering"), outputs=lock, **quick)
+    regenerate = again.then(bind(handlers.regenerate, service, cancels), inputs=[p.chatbot, *p.settings],
+                            api_name="regenerate", **answer)
+    regenerate.then(unlock, outputs=lock, **quick)
     p.stop.click(bind(handlers.stop, cancels), api_name="stop", queue=False)
-    p.clear.click(handlers.clear, outputs=[p.chatbot, p.stats], api_name="clear", queue=False)
+    # The chatbot's own trash button: stop the answer too, and drop its remaining updates.
+    p.chatbot.clear(bind(handlers.clear, cancels), outputs=[p.chatbot, p.stats, *lock],
+                    cancels=[respond, regenerate], api_name="clear", queue=False)
     system = p.settings[0]
     p.load.click(handlers.begin_load, outputs=[*lock, p.status], **quick
                  ).then(bind(handlers.load_model, service), inputs=[p.model, p.quant, system],
@@ -149,7 +149,8 @@ def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = Non
         with gr.Sidebar(label="Aerie", open=True, width=340):
             settings = _settings_panel(service, d)
             model = _model_panel(service, d)
-        header = gr.Markdown(lambda: handlers.header(service.label), elem_id="aerie-header")
-        page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings)
+        with gr.Column(elem_id="aerie-main"):
+            header = gr.Markdown(lambda: handlers.header(service.label), elem_id="aerie-header")
+            page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings)
         _wire(service, cancels, page)
     return demo.queue(default_concurrency_limit=1)

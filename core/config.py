@@ -34,8 +34,8 @@ class ReplyStats:
     new_tokens: int = 0
     elapsed_s: float = 0.0
     target_steps: int = 0      # target forwards (verify rounds) spent on this answer
-    drafted: int = 0           # draft tokens proposed on the paths the target checked
-    accepted: int = 0          # of those, how many the target accepted
+    drafted: int = 0           # the most draft tokens the rounds could accept (sum of tree depths)
+    accepted: int = 0          # draft tokens the target accepted
     strategy: str = "plain"    # which drafter produced the tree: plain, prompt_lookup, eagle
 
     @property
@@ -59,3 +59,16 @@ class ReplyEvent:
     stats: ReplyStats
     notice: str | None = None   # e.g. "Dropped the 2 oldest turns to fit the context."
     finish: str | None = None   # None while streaming; then "eos", "stop", "length" or "cancelled"
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """EAGLE-2 dynamic tree shape (eagle.md 0.6): the longest draft is depth + 1 tokens."""
+
+    depth: int = 5          # expansion steps after the root's children
+    top_k: int = 8          # children per expanded node, and frontier width
+    total_tokens: int = 32  # tokens the target verifies per round, root included
+
+    def __post_init__(self):
+        if self.depth < 0 or self.top_k < 1 or self.total_tokens < 1:
+            raise ValueError(f"bad tree shape {self}")

@@ -12,7 +12,7 @@ new turn that shares a prefix with the last one (a chat's history) skips re-enco
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Protocol
 
 import torch
@@ -21,7 +21,8 @@ from core.config import SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError
 from core.kv import SlabCache
 from core.sampling import sample, target_probs
-from core.tree import DraftTree, root_only, tree_attention_mask, tree_position_ids
+from core.drafters import PlainDrafter
+from core.tree import DraftTree, tree_attention_mask, tree_position_ids
 from core.verify import Acceptance, accept_greedy, accept_sampled
 from models.target import Target
 
@@ -30,46 +31,35 @@ from models.target import Target
 class StepResult:
     new_ids: tuple[int, ...]    # tokens committed this round (accepted drafts + the bonus token)
     accepted: int               # draft tokens accepted this round
-    drafted: int                # draft tokens on the longest path offered (0 for plain decoding)
+    drafted: int                # the most draft tokens this round could accept: the tree's depth
     tree_size: int              # tokens the target verified this round (root included)
     draft_s: float
-    verify_s: float
+    verify_s: float             # the target forward over the tree
+    commit_s: float             # acceptance and the KV commit
     finish: str | None = None   # "eos" | "length" | None
 
 
 @dataclass(frozen=True)
 class Verified:
-    logits: torch.Tensor        # (N, V) target logits after each tree node
-    hidden: tuple[torch.Tensor, ...] | None  # the target's hidden states, when the drafter wants features
+    logits: torch.Tensor                 # (T, V) target logits after each fed (or kept) token
+    features: torch.Tensor | None        # (T, F) the target features the drafter asked for, else None
 
 
 class Drafter(Protocol):
-    """Proposes a tree of continuations of `context` whose root is `context[-1]`."""
+    """Proposes a tree whose root is `context[-1]`. Implementations live in core/drafters.py."""
 
     name: str
-    needs_hidden: bool
+    feature_layers: tuple[int, ...] | None  # indices into the target's hidden_states, or None
 
-    def draft(self, context: list[int], verified: Verified | None) -> DraftTree: ...
+    def rewind(self, common: int) -> int:
+        """A new prompt shares its first `common` tokens with the last context: drop the rest of
+        the drafter's state and return how many leading tokens the target may keep (<= common)."""
+        ...
 
-    def commit(self, acceptance: Acceptance, verified: Verified) -> None: ...
-
-    def reset(self) -> None: ...
-
-
-class PlainDrafter:
-    """Plain decoding as a drafter: proposes nothing, so each round verifies the root alone."""
-
-    name = "plain"
-    needs_hidden = False
-
-    def draft(self, context: list[int], verified: Verified | None) -> DraftTree:
-        return root_only(context[-1])
-
-    def commit(self, acceptance: Acceptance, verified: Verified) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
+    def draft(self, context: list[int], fresh: Verified) -> DraftTree:
+        """`fresh` holds the target's outputs for the last T committed positions before the root
+        (the prefill's new tokens, or the root and accepted path of the last round)."""
+        ...
 
 
 class Engine:
@@ -86,7 +76,7 @@ class Engine:
     def reset(self) -> None:
         self.cache = SlabCache()
         self.cached_ids = []
-        self.drafter.reset()
+        self.drafter.rewind(0)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig,
                  cancel: threading.Event | None = None) -> Iterator[StepResult]:
@@ -109,7 +99,8 @@ class Engine:
         verified = self.prefill(prompt)
         first = self.choose(verified.logits[-1], sampling, rng)
         context, produced = prompt + [first], 1
-        yield StepResult((first,), 0, 0, len(prompt), 0.0, time.perf_counter() - t0, self.finish(first, produced, len(context), sampling))
+        yield StepResult((first,), 0, 0, len(prompt), 0.0, time.perf_counter() - t0, 0.0,
+                         self.finish(first, produced, len(context), sampling))
         while self.finish(context[-1], produced, len(context), sampling) is None:
             if cancel is not None and cancel.is_set():
                 return
@@ -123,8 +114,8 @@ class Engine:
             context += new
             produced += len(new)
             finish = self.finish(context[-1], produced, len(context), sampling)
-            yield StepResult(tuple(new), min(step.result.accepted, len(new) - 1), step.result.drafted,
-                             step.result.tree_size, step.result.draft_s, step.result.verify_s, finish)
+            yield replace(step.result, new_ids=tuple(new), accepted=min(step.result.accepted, len(new) - 1),
+                          finish=finish)
 
     def finish(self, last: int, produced: int, length: int, sampling: SamplingConfig) -> str | None:
         if last in self.target.eos_ids:
@@ -136,13 +127,12 @@ class Engine:
     @torch.inference_mode()  # per call, not around the generator: Gradio may resume it on another thread
     def prefill(self, prompt: list[int]) -> Verified:
         """Encode the prompt, reusing the longest prefix already in the cache."""
-        reuse = common_prefix(self.cached_ids, prompt[:-1])  # feed at least the last prompt token
+        reuse = self.drafter.rewind(common_prefix(self.cached_ids, prompt[:-1]))  # feed >= 1 token
         self.cache.truncate(reuse)
         self.cached_ids = self.cached_ids[:reuse]
-        self.drafter.reset()
         ids = torch.tensor([prompt[reuse:]], device=self.device)  # (1, T)
         positions = torch.arange(reuse, len(prompt), device=self.device)[None]  # (1, T)
-        verified = self.forward(ids, positions, None)
+        verified = self.forward(ids, positions, None, last_logits_only=True)
         self.cached_ids = list(prompt)
         return verified
 
@@ -154,11 +144,15 @@ class Engine:
         tree = self.drafter.draft(context, verified)
         t1 = time.perf_counter()
         verified = self.verify(tree)
-        acceptance = self.accept(tree, verified.logits, sampling, rng)
-        self.commit(acceptance, tree, verified)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # attribute GPU time to verify; accept syncs anyway
         t2 = time.perf_counter()
-        result = StepResult(tuple(acceptance.new_tokens), acceptance.accepted, tree.max_depth, tree.size, t1 - t0, t2 - t1)
-        return Round(result, Verified(verified.logits[acceptance.nodes], kept_hidden(verified.hidden, acceptance.nodes)))
+        acceptance = self.accept(tree, verified.logits, sampling, rng)
+        self.commit(acceptance, tree)
+        t3 = time.perf_counter()
+        result = StepResult(tuple(acceptance.new_tokens), acceptance.accepted, tree.max_depth, tree.size,
+                            t1 - t0, t2 - t1, t3 - t2)
+        return Round(result, kept(verified, acceptance.nodes))
 
     def verify(self, tree: DraftTree) -> Verified:
         past = len(self.cached_ids)
@@ -174,13 +168,12 @@ class Engine:
             return accept_greedy(tree, logits)
         return accept_sampled(tree, target_probs(logits, sampling), rng)
 
-    def commit(self, acceptance: Acceptance, tree: DraftTree, verified: Verified) -> None:
+    def commit(self, acceptance: Acceptance, tree: DraftTree) -> None:
         """Keep the KV of the root and the accepted path; drop the rest of the tree."""
         past = len(self.cached_ids)
         if tree.size > 1:
             self.cache.keep(past, acceptance.nodes)
         self.cached_ids += tree.tokens[acceptance.nodes].tolist()
-        self.drafter.commit(acceptance, verified)
 
     def choose(self, logits: torch.Tensor, sampling: SamplingConfig, rng: torch.Generator) -> int:
         """logits (V,) -> the next token, exactly as a one-node tree would accept it."""
@@ -188,11 +181,15 @@ class Engine:
             return int(logits.argmax())
         return int(sample(target_probs(logits, sampling), rng))
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> Verified:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                last_logits_only: bool = False) -> Verified:
+        layers = self.drafter.feature_layers
+        # A prefill needs the next-token logits of its last position only: (T, V) would not fit for long prompts.
         out = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache,
-                                use_cache=True, output_hidden_states=self.drafter.needs_hidden)
-        hidden = out.hidden_states if self.drafter.needs_hidden else None
-        return Verified(out.logits[0].float(), None if hidden is None else tuple(h[0] for h in hidden))
+                                use_cache=True, output_hidden_states=layers is not None,
+                                logits_to_keep=1 if last_logits_only else 0)
+        features = None if layers is None else torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+        return Verified(out.logits[0].float(), features)
 
 
 @dataclass(frozen=True)
@@ -201,8 +198,10 @@ class Round:
     verified: Verified    # logits/hidden of the kept nodes only, in path order
 
 
-def kept_hidden(hidden: tuple[torch.Tensor, ...] | None, nodes: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    return None if hidden is None else tuple(h[nodes] for h in hidden)
+def kept(verified: Verified, nodes: torch.Tensor) -> Verified:
+    """The rows of the root and the accepted path, in path order."""
+    nodes = nodes.to(verified.logits.device)
+    return Verified(verified.logits[nodes], None if verified.features is None else verified.features[nodes])
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,17 +1,63 @@
-"""Building an engine from what the user asked for: target, quantization, device (and later the
-drafter). launch.py calls this at start and whenever the UI switches models."""
+"""Building an engine from what the user asked for: target, quantization, device, drafter.
+launch.py calls this at start, for the bench, and whenever the UI switches models."""
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from core.config import TreeConfig
+from core.drafters import PlainDrafter, PromptLookupDrafter
+from core.eagle import EagleDrafter
 from core.engine import Engine
-from models.target import LoadSpec, load_target
+from core.errors import UnsupportedModelError
+from models.head_checkpoint import head_config_for_target, load_head
+from models.heads import build_head
+from models.target import LoadSpec, Target, load_target
+
+STRATEGIES = ("auto", "eagle", "prompt_lookup", "plain")
 
 
-def load_engine(model: str | None, quant: str | None, device: str | None, cache_dir: Path) -> Engine:
-    target = load_target(LoadSpec(model=model, quant=quant, device=device, cache_dir=cache_dir))
-    return Engine(target)
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str | None = None          # Hub id, folder, or None for the embedded default
+    quant: str | None = None
+    device: str | None = None
+    cache_dir: Path = Path.home() / ".cache" / "aerie"
+    head: str | None = None           # Hub id, folder, "random" (a random EAGLE-1 head), or None
+    allow_pickle: bool = False        # allow a head's pytorch_model.bin (pickle) when no safetensors
+    strategy: str = "auto"            # auto = eagle with a head, prompt lookup without
+    tree: TreeConfig = TreeConfig()
+
+
+def load_engine(spec: EngineSpec) -> Engine:
+    target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
+    return Engine(target, make_drafter(target, spec))
+
+
+def make_drafter(target: Target, spec: EngineSpec):
+    if spec.strategy not in STRATEGIES:
+        raise UnsupportedModelError(f"Unknown strategy '{spec.strategy}': choose one of {', '.join(STRATEGIES)}.")
+    strategy = spec.strategy if spec.strategy != "auto" else ("eagle" if spec.head else "prompt_lookup")
+    if strategy == "plain":
+        return PlainDrafter()
+    if strategy == "prompt_lookup":
+        return PromptLookupDrafter()
+    if not spec.head:
+        raise UnsupportedModelError("The eagle strategy needs a head: pass --head (a Hub id, a folder, or 'random').")
+    return EagleDrafter(load_eagle_head(target, spec.head, spec.allow_pickle),
+                        target.model.config.get_text_config().num_hidden_layers, spec.tree)
+
+
+def load_eagle_head(target: Target, source: str, allow_pickle: bool):
+    model = target.model
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    if source == "random":  # untrained: accepts little, but exercises the whole EAGLE path
+        torch.manual_seed(0)
+        config = head_config_for_target(model.config, "eagle1")
+        return build_head(config, embed, lm_head).to(device=target.device, dtype=target.dtype).eval()
+    return load_head(source, model.config, embed, lm_head, allow_pickle=allow_pickle, dtype=target.dtype,
+                     device=target.device)
 
 
 def release(engine: Engine) -> None:

@@ -47,7 +47,8 @@ def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Gener
     """target_probs (N, V) -> a path and bonus distributed exactly as sampling from the target.
 
     target_probs must be the distribution plain decoding samples from (`core.sampling.target_probs`).
-    Siblings are tried in index order; `generator` supplies every random draw.
+    Siblings are tried in index order. `generator` (None, or on target_probs' device) supplies every
+    random draw, so a seed replays a round exactly.
     """
     # Drafts are top-k picks, so each candidate's draft probability is q(x) = 1 and the
     # speculative test min(1, p(x)/q(x)) accepts x with probability p(x). On rejection the
@@ -70,13 +71,17 @@ def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Gener
                 chosen = child
                 break
             rejected.add(x)
-            mass -= p_x
+            mass -= p_x                                       # the residual's total
         if chosen is None:
             break
         node = chosen
         path.append(node)
-    residual = target_probs[node].clone()                     # (V,)
+    row = target_probs[node]                                  # (V,)
+    residual = row.clone()
     residual[list(rejected)] = 0.0
+    # Rounding can reject a token that held all the remaining mass (a probability-0 event in exact
+    # arithmetic); then draw from the row rather than fail on an all-zero residual.
+    residual = torch.where(residual.sum() > 0, residual, row)
     return _along_path(tree, node, int(sample(residual, generator)), path)
 
 

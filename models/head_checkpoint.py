@@ -63,7 +63,8 @@ def expected_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_head(source: str, target_config, target_embed: nn.Embedding, target_lm_head: nn.Module, *,
-              allow_pickle: bool = False, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
+              allow_pickle: bool = False, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> EagleHead:
     """Read the head at `source` (a local folder or a Hugging Face repo id) and check it fits the target."""
     folder = _resolve(source, allow_pickle)
     raw = _read_config(folder)

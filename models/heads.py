@@ -68,9 +68,10 @@ class HeadConfig:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
-            raise ValueError(f"{self.num_attention_heads} heads cannot share {self.num_key_value_heads} "
-                             f"key-value heads of odd or unequal size {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self.num_attention_heads} attention heads cannot share {self.num_key_value_heads} key-value heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} is odd, so RoPE cannot rotate it in pairs")
         if self.kind == "eagle1" and (self.draft_vocab_size != self.vocab_size or self.own_embedding
                                       or self.target_width != self.hidden_size):
             raise ValueError("an eagle1 head uses the target's vocabulary, embedding and width")
@@ -160,7 +161,8 @@ class Attention(nn.Module):
         repeat = q.shape[1] // k.shape[1]
         if repeat > 1:  # grouped-query attention: each key-value head serves `repeat` query heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        assert mask.shape[-2:] == (T, k.shape[2]), f"mask {tuple(mask.shape)} does not cover {T} x {k.shape[2]}"
+        assert mask.is_floating_point() and mask.shape[-2:] == (T, k.shape[2]), \
+            f"need an additive float mask (.., {T}, {k.shape[2]}), got {mask.dtype} {tuple(mask.shape)}"
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))  # (B, nh, T, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -263,7 +265,8 @@ class Eagle1Head(EagleHead):
         return self.layers[0](h, cos, sin, attention_mask, cache)        # (1, T, H) next feature
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # No norm: the head was trained to predict the target's post-norm feature.
+        # No norm: the head was trained to predict the target's post-norm feature. `hidden` must be
+        # in the lm_head's dtype, i.e. run the head in the target's compute dtype.
         return self.target.lm_head(hidden)  # (..., V)
 
 

@@ -2,6 +2,7 @@
 mismatch fails with a message that names what is wrong. Tiny sizes, CPU, no downloads."""
 
 import json
+from dataclasses import replace
 
 import huggingface_hub.constants
 import pytest
@@ -15,7 +16,7 @@ from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecod
 from core.kv import SlabCache
 from models.errors import HeadMismatchError, ModelLoadError, UnsupportedModelError
 from models.head_checkpoint import expected_shapes, head_config_for_target, load_head, save_head
-from models.heads import HeadConfig, RopeScaling, build_head, rope_inv_freq
+from models.heads import RopeScaling, build_head, rope_inv_freq
 
 H, V, NH, NKV, I, VD = 64, 256, 4, 2, 96, 48   # hidden, vocab, heads, kv heads, MLP, draft vocab
 
@@ -232,9 +233,9 @@ def test_eagle3_skips_fc_for_its_own_outputs(target):
 def test_layout_table_matches_modules(target):
     for kind in ("eagle1", "eagle3"):
         base = head_config_for_target(target.config, kind, draft_vocab_size=VD)
-        variants = [base, HeadConfig(**{**base.__dict__, "fc_bias": True, "qkv_bias": True})]
+        variants = [base, replace(base, fc_bias=True, qkv_bias=True)]
         if kind == "eagle3":
-            variants.append(HeadConfig(**{**base.__dict__, "own_embedding": True, "target_hidden_size": 2 * H}))
+            variants.append(replace(base, own_embedding=True, target_hidden_size=2 * H))
         for c in variants:
             state = build_head(c, target.model.embed_tokens, target.lm_head).state_dict()
             assert {k: tuple(t.shape) for k, t in state.items()} == expected_shapes(c)
@@ -248,14 +249,17 @@ def test_head_dtype_cast_keeps_rope_fp32_and_target_untouched(target):
     assert target.model.embed_tokens.weight.dtype == torch.float32
 
 
-def test_llama3_rope_matches_transformers():
+def test_llama3_rope_matches_transformers(tmp_path, target):
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     config = LlamaConfig(hidden_size=H, num_attention_heads=NH, rope_theta=500000.0,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+                         rope_scaling={"rope_type": "llama3", **scaling})
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = head_config_for_target(config, "eagle1")
     assert ours.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
     torch.testing.assert_close(rope_inv_freq(ours), theirs)
+    old_style = head_json("eagle1", rope_scaling={"type": "llama3", **scaling})  # transformers 4 spelling
+    head = load(write(tmp_path, old_style, eagle1_state(False)), target)
+    torch.testing.assert_close(head.rotary.inv_freq, theirs)
 
 
 @pytest.mark.parametrize("kind, change, numbers", [

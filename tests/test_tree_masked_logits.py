@@ -8,6 +8,8 @@ by token from a fresh prefill in a plain `DynamicCache`. Then the commit invaria
 prompt plus the accepted tokens. Both attention backends (sdpa, eager) are checked.
 """
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -22,7 +24,11 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
-def model(request) -> LlamaForCausalLM:
+def model(request) -> Iterator[LlamaForCausalLM]:
+    # One thread: this model's matmuls are tiny, and on a shared 2-core machine a second thread
+    # makes them ~10x slower through contention. Restored afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -30,7 +36,8 @@ def model(request) -> LlamaForCausalLM:
     )
     model = LlamaForCausalLM(config).eval().float()
     model.set_attn_implementation(request.param)
-    return model
+    yield model
+    torch.set_num_threads(threads)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

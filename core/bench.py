@@ -1,0 +1,191 @@
+"""`launch.py bench`: every strategy on the same prompts, in one process, greedy.
+
+Strategies: plain (ours), hf_generate (transformers greedy), hf_prompt_lookup (transformers
+assisted generation with prompt_lookup_num_tokens), prompt_lookup (ours), and eagle when a head is
+given. Prints a per-category table, then one JSON line. Compare ratios from one run only: the
+machines are shared and absolute times drift between runs.
+"""
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from pathlib import Path
+
+import psutil
+import torch
+
+from core.chat import render_prompt
+from core.config import SamplingConfig
+from core.drafters import PlainDrafter, PromptLookupDrafter
+from core.engine import Engine
+from core.factory import EngineSpec, load_eagle_head
+from core.eagle import EagleDrafter
+from models.target import LoadSpec, Target, load_target
+
+FILLER = "Here is some background you may ignore. "
+
+
+@dataclass(frozen=True)
+class Prompt:
+    category: str
+    text: str
+
+
+@dataclass
+class Tally:
+    """Totals for one strategy on one category."""
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    lossless: bool = True
+
+    def add(self, other: "Tally") -> None:
+        for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.lossless &= other.lossless
+
+
+@dataclass
+class StrategyResult:
+    by_category: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
+    outputs: list[list[int]] = field(default_factory=list)
+    peak_mem_mb: float = 0.0
+
+    @property
+    def total(self) -> Tally:
+        t = Tally()
+        for v in self.by_category.values():
+            t.add(v)
+        return t
+
+
+def load_prompts(path: Path, limit: int | None) -> list[Prompt]:
+    """First turns of an MT-bench style jsonl; `limit` picks round-robin across categories."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_cat: dict[str, list[Prompt]] = defaultdict(list)
+    for r in rows:
+        by_cat[r.get("category", "all")].append(Prompt(r.get("category", "all"), r["turns"][0]))
+    ordered = [p for group in zip_longest(*by_cat.values()) for p in group if p is not None]
+    return ordered[:limit] if limit else ordered
+
+
+def prompt_ids(target: Target, prompt: Prompt, context: int) -> list[int]:
+    """The chat-templated prompt, padded with filler text to about `context` tokens if asked."""
+    text = prompt.text
+    ids = render_prompt(target.tokenizer, [{"role": "user", "content": text}])
+    if context > len(ids):
+        per = len(target.tokenizer.encode(FILLER, add_special_tokens=False))
+        text = FILLER * ((context - len(ids)) // per) + text
+        ids = render_prompt(target.tokenizer, [{"role": "user", "content": text}])
+    return ids
+
+
+def run_engine(engine: Engine, ids: list[int], max_new: int) -> tuple[list[int], Tally]:
+    engine.reset()  # no prefix reuse across prompts: every strategy pays its own prefill
+    out, t = [], Tally()
+    t0 = time.perf_counter()
+    for step in engine.generate(ids, SamplingConfig(max_new_tokens=max_new)):
+        out += step.new_ids
+        t.rounds += 1
+        t.accepted += step.accepted
+        t.drafted += step.drafted
+        t.draft_s, t.verify_s, t.commit_s = t.draft_s + step.draft_s, t.verify_s + step.verify_s, t.commit_s + step.commit_s
+    t.seconds, t.tokens = time.perf_counter() - t0, len(out)
+    return out, t
+
+
+def run_hf(target: Target, ids: list[int], max_new: int, lookup: bool) -> tuple[list[int], Tally]:
+    input_ids = torch.tensor([ids], device=target.device)
+    kwargs = {"prompt_lookup_num_tokens": 10} if lookup else {}
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
+                                    do_sample=False, eos_token_id=list(target.eos_ids), pad_token_id=target.eos_ids[0],
+                                    **kwargs)
+    new = out[0, len(ids):].tolist()
+    return new, Tally(tokens=len(new), seconds=time.perf_counter() - t0)
+
+
+def memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int, context: int = 0,
+          strategies: tuple[str, ...] | None = None) -> dict:
+    target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
+    prompts = load_prompts(prompts_path, limit)
+    runners = {
+        "plain": lambda ids: run_engine(engines["plain"], ids, max_new),
+        "hf_generate": lambda ids: run_hf(target, ids, max_new, lookup=False),
+        "hf_prompt_lookup": lambda ids: run_hf(target, ids, max_new, lookup=True),
+        "prompt_lookup": lambda ids: run_engine(engines["prompt_lookup"], ids, max_new),
+    }
+    engines = {"plain": Engine(target, PlainDrafter()), "prompt_lookup": Engine(target, PromptLookupDrafter())}
+    if spec.head:
+        layers = target.model.config.get_text_config().num_hidden_layers
+        engines["eagle"] = Engine(target, EagleDrafter(load_eagle_head(target, spec.head, spec.allow_pickle), layers, spec.tree))
+        runners["eagle"] = lambda ids: run_engine(engines["eagle"], ids, max_new)
+    names = [n for n in runners if strategies is None or n in strategies or n == "plain"]
+    results = {name: StrategyResult() for name in names}
+    all_ids = [prompt_ids(target, p, context) for p in prompts]
+    run_engine(engines["plain"], all_ids[0], 8)  # warm-up: first-call allocations
+    for i, (prompt, ids) in enumerate(zip(prompts, all_ids)):
+        for name in names:  # interleaved, so drift on a shared machine hits every strategy alike
+            out, tally = runners[name](ids)
+            res = results[name]
+            res.outputs.append(out)
+            tally.lossless = out == results["plain"].outputs[i]
+            res.by_category[prompt.category].add(tally)
+            res.peak_mem_mb = max(res.peak_mem_mb, memory_mb(target.device))
+        print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
+              + "  ".join(f"{n} {results[n].outputs[i].__len__()} tok" for n in names), flush=True)
+    report = summarise(target, spec, prompts, results, context)
+    print_table(results)
+    return report
+
+
+def summarise(target: Target, spec: EngineSpec, prompts: list[Prompt], results: dict[str, StrategyResult],
+              context: int) -> dict:
+    plain, hf = results["plain"].total, results.get("hf_generate")
+    out = {"model": target.name, "device": f"{target.device.type} {target.quant}", "prompts": len(prompts),
+           "context_pad": context, "strategies": {}}
+    for name, res in results.items():
+        t = res.total
+        entry = {"tok_s": round(t.tokens / t.seconds, 2), "accept_len": round(t.tokens / t.rounds, 3) if t.rounds else None,
+                 "speedup_vs_plain": round((t.tokens / t.seconds) / (plain.tokens / plain.seconds), 3),
+                 "lossless": t.lossless, "peak_mem_mb": round(res.peak_mem_mb)}
+        if hf is not None:
+            h = hf.total
+            entry["speedup_vs_hf"] = round((t.tokens / t.seconds) / (h.tokens / h.seconds), 3)
+        if t.rounds:
+            r = t.rounds - len(prompts)  # rounds after the prefill
+            entry["accept_rate"] = round(t.accepted / t.drafted, 3) if t.drafted else None
+            entry["round_ms"] = {k: round(1000 * getattr(t, f"{k}_s") / max(r, 1), 2) for k in ("draft", "verify", "commit")}
+        if name == "eagle":
+            entry["tree"] = {"depth": spec.tree.depth, "top_k": spec.tree.top_k, "total_tokens": spec.tree.total_tokens}
+        out["strategies"][name] = entry
+    return out
+
+
+def print_table(results: dict[str, StrategyResult]) -> None:
+    plain = results["plain"]
+    cats = list(plain.by_category)
+    print(f"\n{'category':<12}" + "".join(f"{n:>22}" for n in results))
+    print(f"{'':<12}" + "".join(f"{'tok/s  acc  xplain':>22}" for _ in results))
+    for cat in cats + ["all"]:
+        row = f"{cat:<12}"
+        p = plain.total if cat == "all" else plain.by_category[cat]
+        for res in results.values():
+            t = res.total if cat == "all" else res.by_category[cat]
+            acc = f"{t.tokens / t.rounds:.2f}" if t.rounds else "  - "
+            row += f"{t.tokens / t.seconds:>10.1f} {acc:>5} {(t.tokens / t.seconds) / (p.tokens / p.seconds):>5.2f}"
+        print(row)

@@ -1,0 +1,95 @@
+"""Drafters: what proposes the tree each round. The verifier treats them all alike.
+
+- PlainDrafter: proposes nothing (a tree of just the root): plain decoding, the baseline.
+- PromptLookupDrafter: n-gram lookup in the prompt and the answer so far; needs no head.
+- EagleDrafter (core/eagle.py): an EAGLE head reading the target's features.
+
+Drafters see token ids and target outputs; they know nothing about text or the UI.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from core.tree import DraftTree, make_tree, root_only
+
+
+class PlainDrafter:
+    name = "plain"
+    feature_layers = None
+
+    def rewind(self, common: int) -> int:
+        return common
+
+    def draft(self, context: list[int], fresh) -> DraftTree:
+        return root_only(context[-1])
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    max_ngram: int = 3        # longest suffix to look up; shorter ones are tried when it misses
+    min_ngram: int = 1
+    num_tokens: int = 10      # draft length per continuation (the tree's depth)
+    branches: int = 4         # distinct earlier continuations merged into one tree
+
+
+class PromptLookupDrafter:
+    """Prompt lookup decoding: if the context's last n tokens appeared before, what followed them
+    then is a good guess now. The latest `branches` distinct continuations of the longest
+    matching suffix are merged into a trie, so one verify checks them all.
+
+    An index from every n-gram to the positions that follow it is extended incrementally, so a
+    round costs O(new tokens), not O(context)."""
+
+    name = "prompt_lookup"
+    feature_layers = None
+
+    def __init__(self, cfg: LookupConfig = LookupConfig()):
+        self.cfg = cfg
+        self.rewind(0)
+
+    def rewind(self, common: int) -> int:
+        # A new prompt is indexed from scratch on its first draft: O(prompt) once per turn.
+        self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self.indexed = 1        # positions end < indexed are in the index
+        return common
+
+    def _extend(self, context: list[int]) -> None:
+        """Index every n-gram that ends just before a position we have not indexed yet; within one
+        generation the context only grows, so this touches the new tokens only."""
+        for end in range(self.indexed, len(context)):
+            for n in range(self.cfg.min_ngram, min(self.cfg.max_ngram, end) + 1):
+                self.index[tuple(context[end - n:end])].append(end)  # context[end] followed this n-gram
+        self.indexed = max(self.indexed, len(context))
+
+    def continuations(self, context: list[int]) -> list[list[int]]:
+        self._extend(context)
+        for n in range(min(self.cfg.max_ngram, len(context)), self.cfg.min_ngram - 1, -1):
+            found: list[list[int]] = []
+            for start in reversed(self.index.get(tuple(context[-n:]), ())):  # most recent first
+                cont = context[start:start + self.cfg.num_tokens]
+                if cont not in found:
+                    found.append(cont)
+                if len(found) == self.cfg.branches:
+                    break
+            if found:
+                return found
+        return []
+
+    def draft(self, context: list[int], fresh) -> DraftTree:
+        return trie_tree(context[-1], self.continuations(context))
+
+
+def trie_tree(root: int, sequences: list[list[int]]) -> DraftTree:
+    """Merge token sequences that all continue `root` into a tree sharing common prefixes."""
+    tokens, parents, child = [root], [-1], {}
+    for seq in sequences:
+        node = 0
+        for tok in seq:
+            if (node, tok) not in child:
+                child[(node, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+            node = child[(node, tok)]
+    return make_tree(torch.tensor(tokens), torch.tensor(parents))

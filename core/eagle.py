@@ -1,0 +1,107 @@
+"""The EAGLE drafter: an EAGLE-1/2/3 head grows an EAGLE-2 dynamic tree from the target's features.
+
+The head reads pairs (target feature at position t, token at t+1) and predicts the feature at
+t+1, hence the distribution of the token at t+2. Its KV cache holds only pairs built from real
+target features of committed tokens; tree nodes are appended while drafting and dropped at the
+end of the round (EAGLE's `stable_kv`).
+
+One round of drafting (eagle.md 4.1), with H the head's hidden size and Vd its vocabulary:
+  1. catch up: feed the K pairs the last round committed; the last output scores the root's children;
+  2. expand `depth` times: feed the top_k frontier nodes together, each paired with its parent's
+     head output, each seeing only its own ancestors; every node proposes top_k children;
+  3. rerank the whole pool by cumulative log-probability and keep total_tokens - 1 nodes.
+
+It knows nothing about text; it sees token ids, target features and the head.
+"""
+
+import torch
+
+from core.config import TreeConfig
+from core.kv import SlabCache
+from core.tree import DraftTree, expand_frontier, rerank
+
+
+class EagleDrafter:
+    name = "eagle"
+
+    def __init__(self, head, num_target_layers: int, tree: TreeConfig):
+        self.head = head
+        self.tree = tree
+        self.feature_layers = head.feature_layers(num_target_layers)
+        self.cache = SlabCache()
+        self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
+
+    def rewind(self, common: int) -> int:
+        # Pair t needs tokens 0..t+1 unchanged, so pairs t < common - 1 survive. The target must
+        # re-encode from there on: the head needs its features for the pairs it lost.
+        self.head_len = min(self.head_len, max(common - 1, 0))
+        self.cache.truncate(self.head_len)
+        return self.head_len
+
+    @torch.inference_mode()
+    def draft(self, context: list[int], fresh) -> DraftTree:
+        k = fresh.features.shape[0]
+        assert self.head_len == len(context) - 1 - k, (self.head_len, len(context), k)
+        last = self.catch_up(fresh.features, context[-k:])       # (H,)
+        tree = self.grow(context[-1], last)
+        self.cache.truncate(self.head_len)                        # forget the drafted nodes
+        return tree
+
+    def catch_up(self, features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
+        """Feed the committed pairs (features (K, F), tokens (K,)); return the last output (H,)."""
+        K, device = features.shape[0], features.device
+        positions = torch.arange(self.head_len, self.head_len + K, device=device)[None]  # (1, K)
+        mask = causal_mask(self.head_len, K, self.dtype, device)                          # (1, 1, K, P+K)
+        tokens = torch.tensor([next_tokens], device=device)
+        out = self.head(features[None], tokens, positions, mask, self.cache)             # (1, K, H)
+        self.head_len += K
+        return out[0, -1]
+
+    def grow(self, root: int, root_out: torch.Tensor) -> DraftTree:
+        """EAGLE-2's expand-then-rerank from the root's head output."""
+        top_k, device = self.tree.top_k, root_out.device
+        logp = self.log_probs(root_out[None])                                  # (1, Vd)
+        step = expand_frontier(torch.zeros(1, device=device), logp, top_k)
+        pool_scores, pool_parents = [step.scores], [torch.full((top_k,), -1, device=device)]
+        pool_tokens = [self.head.to_target_ids(step.tokens)]
+        frontier_pool = step.frontier                                           # (top_k,) pool indices
+        parent_out = root_out[None].expand(top_k, -1)                           # (k, H)
+        ancestors = torch.eye(top_k, dtype=torch.bool, device=device)           # (k, fed) tree block
+        for level in range(self.tree.depth):
+            tokens = torch.cat(pool_tokens)[frontier_pool]                     # (k,) target ids
+            out = self.feed_frontier(tokens, parent_out, ancestors, level)      # (k, H)
+            step = expand_frontier(torch.cat(pool_scores)[frontier_pool], self.log_probs(out), top_k)
+            base = sum(len(s) for s in pool_scores)
+            pool_scores.append(step.scores)
+            pool_parents.append(frontier_pool[step.parent_slot])
+            pool_tokens.append(self.head.to_target_ids(step.tokens))
+            chosen_parent = step.parent_slot[step.frontier]                     # (k,) slots 0..k-1
+            parent_out = out[chosen_parent]
+            ancestors = torch.cat([ancestors[chosen_parent], torch.eye(top_k, dtype=torch.bool, device=device)], 1)
+            frontier_pool = base + step.frontier
+        return rerank(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens), root,
+                      self.tree.total_tokens)
+
+    def feed_frontier(self, tokens: torch.Tensor, parent_out: torch.Tensor, ancestors: torch.Tensor,
+                      level: int) -> torch.Tensor:
+        """tokens (k,) at depth level+1, parent_out (k, H), ancestors (k, fed) -> outputs (k, H)."""
+        k, fed = ancestors.shape
+        device = tokens.device
+        mask = torch.zeros(1, 1, k, self.head_len + fed, dtype=self.dtype, device=device)
+        mask[0, 0, :, self.head_len:].masked_fill_(~ancestors, torch.finfo(self.dtype).min)
+        positions = torch.full((1, k), self.head_len + level, device=device)  # siblings share a position
+        return self.head(parent_out[None], tokens[None], positions, mask, self.cache)[0]
+
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.head.draft_logits(out).float(), dim=-1)  # (k, Vd)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.fc.weight.dtype
+
+
+def causal_mask(past: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(1, 1, T, past+T) additive: row i sees columns <= past + i."""
+    cols = torch.arange(past + T, device=device)
+    rows = torch.arange(T, device=device)[:, None] + past
+    return torch.zeros(1, 1, T, past + T, dtype=dtype, device=device).masked_fill(cols > rows, torch.finfo(dtype).min)

@@ -1,0 +1,94 @@
+"""DESIGN invariants 1 and 4 for every drafter: greedy speculative output equals plain greedy output
+token for token (any tree shape, prompt length, stop token, budget); sampling is reproducible."""
+
+import random
+
+import pytest
+import torch
+
+from core.config import SamplingConfig
+from core.drafters import PromptLookupDrafter, trie_tree
+from core.engine import Engine
+from tests.conftest import tiny_llama, tiny_target
+
+
+class OracleDrafter:
+    """Random trees that sometimes contain the true greedy continuation (from a plain run), so
+    rounds accept anything from nothing to a whole deep path."""
+
+    name = "oracle"
+    feature_layers = None
+
+    def __init__(self, truth: list[int], seed: int, vocab: int = 256):
+        self.truth, self.rng, self.vocab = truth, random.Random(seed), vocab
+
+    def rewind(self, common: int) -> int:
+        return common
+
+    def draft(self, context, fresh):
+        branches = []
+        for _ in range(self.rng.randint(0, 4)):
+            depth = self.rng.randint(1, 6)
+            pos = len(context)
+            good = self.truth[pos:pos + depth] if self.rng.random() < 0.6 else []
+            keep = self.rng.randint(0, len(good))
+            branch = good[:keep] + [self.rng.randrange(self.vocab) for _ in range(depth - keep)]
+            branches.append(branch)
+        return trie_tree(context[-1], branches)
+
+
+def run(engine, prompt, sampling):
+    return [t for s in engine.generate(prompt, sampling) for t in s.new_ids]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_speculation_is_lossless_for_any_tree(seed):
+    model = tiny_llama(seed=seed)
+    prompt_len = [1, 2, 9, 33, 70, 5][seed]
+    prompt = torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    n = [40, 7, 25, 60, 33, 1][seed]
+    plain = run(Engine(tiny_target(model)), prompt, SamplingConfig(max_new_tokens=n))
+    engine = Engine(tiny_target(model), OracleDrafter(prompt + plain, seed))
+    steps = list(engine.generate(prompt, SamplingConfig(max_new_tokens=n)))
+    assert [t for s in steps for t in s.new_ids] == plain
+    if n > 20:
+        assert max(s.accepted for s in steps) >= 2  # long paths really were accepted
+
+
+def test_greedy_speculation_stops_at_eos_inside_an_accepted_path():
+    model = tiny_llama(seed=11)
+    prompt = [7, 7, 3]
+    plain = run(Engine(tiny_target(model)), prompt, SamplingConfig(max_new_tokens=50))
+    eos = plain[12]
+    expected = plain[: plain.index(eos) + 1]
+    for seed in range(4):
+        engine = Engine(tiny_target(model, eos_ids=(eos,)), OracleDrafter(prompt + plain, seed))
+        assert run(engine, prompt, SamplingConfig(max_new_tokens=50)) == expected
+
+
+def test_prompt_lookup_is_lossless_and_accepts_on_repetitive_text():
+    model = tiny_llama(seed=2)
+    prompt = [5, 6, 7, 8, 9] * 6 + [5, 6]
+    plain = run(Engine(tiny_target(model)), prompt, SamplingConfig(max_new_tokens=60))
+    engine = Engine(tiny_target(model), PromptLookupDrafter())
+    steps = list(engine.generate(prompt, SamplingConfig(max_new_tokens=60)))
+    assert [t for s in steps for t in s.new_ids] == plain
+    assert len(steps) < 60  # random tiny models repeat themselves: lookup must pay off
+
+
+def test_prompt_lookup_proposes_the_latest_continuations():
+    d = PromptLookupDrafter()
+    ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
+    assert d.continuations(ctx) == [[5, 6, 1, 2, 3], [4, 9, 1, 2, 3, 5, 6, 1, 2, 3]]
+    tree = d.draft(ctx, None)
+    assert tree.tokens[0] == 3 and tree.size == 1 + 5 + 10
+
+
+def test_speculative_sampling_is_reproducible_with_a_seed():
+    model = tiny_llama(seed=4)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    cfg = SamplingConfig(temperature=0.9, top_p=0.9, seed=3, max_new_tokens=40)
+    engine = Engine(tiny_target(model), PromptLookupDrafter())
+    first = run(engine, prompt, cfg)
+    assert run(engine, prompt, cfg) == first
+    assert run(Engine(tiny_target(model), PromptLookupDrafter()), prompt, cfg) == first
