@@ -141,7 +141,7 @@ def fail(message: object) -> None:
 
 
 def run_app(args: argparse.Namespace) -> None:
-    from app.ui import build_ui, launch_kwargs
+    from app.ui import build_ui, launch_options
     from core.chat import ChatService
     from core.errors import AerieError
     from core.factory import load_engine
@@ -154,10 +154,9 @@ def run_app(args: argparse.Namespace) -> None:
     except AerieError as e:
         fail(e)
     port = free_port(args.host, args.port)
-    demo = build_ui(service, {"title": "Aerie"})
-    demo.queue(default_concurrency_limit=1)
+    demo = build_ui(service, {"model": args.model or "", "quant": args.quant or "none"})
     demo.launch(server_name=args.host, server_port=port, inbrowser=not args.no_browser,
-                prevent_thread_lock=True, **launch_kwargs())
+                prevent_thread_lock=True, **launch_options())
     print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label})", flush=True)
     demo.block_thread()
 
