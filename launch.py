@@ -34,13 +34,24 @@ def venv_python() -> Path:
 
 
 def pyproject_lists() -> dict[str, list[str]]:
-    """The dependency arrays of pyproject.toml: {"dependencies": [...], "test": [...], ...}.
-    A small reader so the bootstrap also runs on Python 3.10, which has no tomllib."""
+    """The dependency lists of pyproject.toml: {"dependencies": [...], "test": [...], ...}."""
     text = (ROOT / "pyproject.toml").read_text()
-    lists = {}
-    for name, body in re.findall(r'^([\w-]+)\s*=\s*\[(.*?)^\]', text, flags=re.M | re.S):
-        lists[name] = re.findall(r'^\s*"([^"]+)"', body, flags=re.M)
-    return lists
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: a reader for the arrays of quoted strings we write
+        lists, name, body = {}, None, ""
+        for line in text.splitlines():
+            head = re.match(r'^([\w-]+)\s*=\s*\[(.*)$', line)
+            if head:
+                name, body = head.group(1), head.group(2)
+            elif name:
+                body += "\n" + line
+            if name and re.search(r'^\s*\]|\]\s*(#.*)?$', line if not head else head.group(2)):
+                lists[name] = re.findall(r'"([^"]+)"', re.sub(r"#.*", "", body))
+                name = None
+        return lists
+    data = tomllib.loads(text)["project"]
+    return {"dependencies": data["dependencies"], **data["optional-dependencies"]}
 
 
 def ensure_environment(extras: tuple[str, ...]) -> None:

@@ -1,0 +1,265 @@
+"""Training data for EAGLE heads: distilled answers -> target features on disk -> padded batches.
+
+Three stages, each resumable:
+  1. load: distill jsonl lines {prompt_ids, answer_ids} (../shared/distill/SOURCES.md) become
+     `Conversation`s; a hash of the prompt holds out a fixed ~2% for validation.
+  2. capture: one teacher-forced target pass over prompt + answer gives the head's input feature f_p
+     at every position p and the target's top-K next-token logits at the answer positions. Shards
+     of fp16 safetensors are named by a digest of what went in, so a rerun reuses what exists.
+  3. batches: sequences pooled, bucketed by length and right-padded to at most `batch_tokens`.
+
+Positions: a sequence x_0..x_{L-1} is the prompt (P tokens) then the answer (A = L - P tokens).
+f_p is the target feature after reading x_0..x_p; teacher row p (P <= p < L) is the target's
+distribution of x_{p+1}, kept as its top-K logits. Shapes: N positions, S sequences, M = sum A,
+F feature width, K teacher top-k, B batch rows, T padded length.
+
+This module knows nothing about heads or losses; of the target it uses the decoder and lm_head.
+"""
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from models.errors import AerieError
+from models.target import Target
+
+PREFIX_CHARS = 60  # a prompt whose first 60 characters match a benchmark prompt's is dropped
+
+
+class TrainDataError(AerieError):
+    """The answers cannot be used for training (missing, malformed, or made for another model)."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    prompt_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.prompt_ids + self.answer_ids
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    answers: tuple[Path, ...]             # distill jsonl files, or folders of them
+    max_tokens: int | None = None         # cap on training answer tokens (None = all)
+    val_fraction: float = 0.02            # share of conversations held out, by prompt hash
+    val_tokens: int = 16_000              # cap on validation answer tokens
+    split_seed: int = 0                   # salt of the hash split; fixed so runs share one val set
+    exclude_prompts: tuple[str, ...] = ()  # benchmark prompts: never train on them
+    features_dir: Path | None = None      # shard folder (None = OUT/features); may be shared by runs
+    shard_size: int = 64                  # conversations per shard
+    capture_tokens: int = 4096            # padded tokens per target forward during capture
+    teacher_topk: int = 64                # teacher logits kept per answer position
+
+
+def load_conversations(cfg: DataConfig, vocab_size: int, context_len: int) -> tuple[list[Conversation], int]:
+    """All usable conversations in file order, and how many were dropped as benchmark prompts."""
+    files = [f for p in cfg.answers for f in (sorted(Path(p).glob("*.jsonl")) if Path(p).is_dir() else [Path(p)])]
+    if not files:
+        raise TrainDataError(f"No answers found in {', '.join(map(str, cfg.answers))}; pass distill jsonl files.")
+    banned = {t.strip()[:PREFIX_CHARS] for t in cfg.exclude_prompts}
+    out, dropped = [], 0
+    for f in files:
+        if not f.is_file():
+            raise TrainDataError(f"The answers file {f} does not exist.")
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                conv = Conversation(tuple(map(int, row["prompt_ids"])), tuple(map(int, row["answer_ids"])))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                raise TrainDataError(f"{f}:{n} is not a distill line with prompt_ids and answer_ids ({err}).") from err
+            if str(row.get("prompt", "")).strip()[:PREFIX_CHARS] in banned:
+                dropped += 1
+                continue
+            if max(conv.ids) >= vocab_size or min(conv.ids) < 0:
+                raise TrainDataError(f"{f}:{n} has token ids outside this model's vocabulary of {vocab_size}; "
+                                     "were these answers made by another model?")
+            if conv.prompt_ids and conv.answer_ids and len(conv.ids) <= context_len:
+                out.append(conv)
+    return out, dropped
+
+
+def split(convs: list[Conversation], cfg: DataConfig) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, val). A conversation is held out when hash(seed, prompt) falls below val_fraction, so
+    the split does not move when data is added or capped; then each side is capped in file order."""
+    def held_out(c: Conversation) -> bool:
+        digest = hashlib.sha1(f"{cfg.split_seed}:{c.prompt_ids}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") < cfg.val_fraction * 2**64
+
+    val = [c for c in convs if held_out(c)]
+    train = [c for c in convs if not held_out(c)]
+    return take_tokens(train, cfg.max_tokens), take_tokens(val, cfg.val_tokens)
+
+
+def take_tokens(convs: list[Conversation], limit: int | None) -> list[Conversation]:
+    out, total = [], 0
+    for c in convs:
+        if limit is not None and total >= limit:
+            break
+        out.append(c)
+        total += len(c.answer_ids)
+    return out
+
+
+# ---------------------------------------------------------------- capture
+
+@torch.inference_mode()
+def forward_batch(target: Target, convs: list[Conversation], layers: tuple[int, ...], topk: int) -> list[dict]:
+    """One padded target pass. Right padding needs no mask: causal attention never looks right."""
+    T = max(len(c.ids) for c in convs)
+    ids = torch.zeros(len(convs), T, dtype=torch.long)
+    for b, c in enumerate(convs):
+        ids[b, : len(c.ids)] = torch.tensor(c.ids)
+    out = target.model.get_decoder()(input_ids=ids.to(target.device), output_hidden_states=True, use_cache=False)
+    features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)              # (B, T, F)
+    lm_head = target.model.get_output_embeddings()
+    rows = []
+    for b, c in enumerate(convs):
+        P, L = len(c.prompt_ids), len(c.ids)
+        logits = lm_head(out.last_hidden_state[b, P:L]).float()                       # (A, V): x_{p+1} | x_<=p
+        top = logits.topk(topk, dim=-1)                                                # sorted: [..., 0] = argmax
+        rows.append({"features": features[b, :L].half().cpu(), "teacher_logits": top.values.half().cpu(),
+                     "teacher_ids": top.indices.int().cpu()})
+    return rows
+
+
+def capture_shard(target: Target, convs: list[Conversation], layers: tuple[int, ...], cfg: DataConfig) -> dict:
+    """Tensors of one shard, sequences in the given order, batched shortest-first within the shard."""
+    lengths = torch.tensor([len(c.ids) for c in convs])
+    rows: dict[int, dict] = {}
+    for batch in length_batches(lengths, cfg.capture_tokens, None, pool=len(convs)):
+        rows |= dict(zip(batch, forward_batch(target, [convs[i] for i in batch], layers, cfg.teacher_topk)))
+    return {
+        "tokens": torch.tensor([t for c in convs for t in c.ids], dtype=torch.int32),          # (N,)
+        "lengths": lengths, "prompt_lens": torch.tensor([len(c.prompt_ids) for c in convs]),   # (S,)
+        **{k: torch.cat([rows[i][k] for i in range(len(convs))]) for k in rows[0]},            # (N, F), (M, K)
+    }
+
+
+def shard_digest(convs: list[Conversation], target: Target, layers: tuple[int, ...], topk: int) -> str:
+    key = json.dumps([target.name, target.quant, str(target.dtype), layers, topk, [c.ids for c in convs],
+                      [len(c.prompt_ids) for c in convs]])
+    return hashlib.sha1(key.encode()).hexdigest()[:20]
+
+
+def capture(target: Target, convs: list[Conversation], layers: tuple[int, ...], cfg: DataConfig,
+            folder: Path, label: str) -> tuple[list[Path], dict]:
+    """Shards for `convs` under `folder`, captured now unless already there. Returns (paths, stats)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    chunks = [convs[i: i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
+    paths = [folder / f"{shard_digest(c, target, layers, cfg.teacher_topk)}.safetensors" for c in chunks]
+    todo = [(c, p) for c, p in zip(chunks, paths) if not p.is_file()]
+    positions, t0 = 0, time.perf_counter()
+    bar = tqdm(total=sum(len(x.ids) for c, _ in todo for x in c), unit="pos", desc=f"capture {label}",
+               disable=not todo, dynamic_ncols=True)
+    for chunk, path in todo:
+        tensors = capture_shard(target, chunk, layers, cfg)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"layers": str(layers)})
+        os.replace(tmp, path)  # atomic: a killed capture leaves no half shard under the final name
+        positions += len(tensors["tokens"])
+        bar.update(len(tensors["tokens"]))
+    bar.close()
+    seconds = time.perf_counter() - t0
+    return paths, {"shards": len(paths), "captured_shards": len(todo), "positions": positions, "seconds": seconds}
+
+
+# ---------------------------------------------------------------- in memory
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """All shards of one split, concatenated. Sequence s spans tokens[starts[s]:starts[s+1]] and
+    teacher rows [tstarts[s]:tstarts[s+1]], which are its positions P..L-1."""
+
+    tokens: torch.Tensor          # (N,) int64
+    features: torch.Tensor        # (N, F) fp16
+    starts: torch.Tensor          # (S+1,)
+    prompt_lens: torch.Tensor     # (S,)
+    tstarts: torch.Tensor         # (S+1,)
+    teacher_ids: torch.Tensor     # (M, K) int32
+    teacher_logits: torch.Tensor  # (M, K) fp16
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.starts[1:] - self.starts[:-1]
+
+    @property
+    def answer_tokens(self) -> int:
+        return int(self.tstarts[-1])
+
+
+def load_features(paths: list[Path]) -> FeatureSet:
+    parts: dict[str, list[torch.Tensor]] = {}
+    for p in paths:
+        with safe_open(str(p), "pt") as f:
+            for k in f.keys():
+                parts.setdefault(k, []).append(f.get_tensor(k))
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    lengths, prompt_lens = cat["lengths"], cat["prompt_lens"]
+    zero = torch.zeros(1, dtype=torch.long)
+    return FeatureSet(tokens=cat["tokens"].long(), features=cat["features"], starts=torch.cat([zero, lengths.cumsum(0)]),
+                      prompt_lens=prompt_lens, tstarts=torch.cat([zero, (lengths - prompt_lens).cumsum(0)]),
+                      teacher_ids=cat["teacher_ids"], teacher_logits=cat["teacher_logits"])
+
+
+@dataclass(frozen=True)
+class Batch:
+    tokens: torch.Tensor          # (B, T) x_p, 0 past a sequence's end
+    features: torch.Tensor        # (B, T, F) float32 f_p
+    teacher_ids: torch.Tensor     # (B, T, K) teacher row p, 0 where none
+    teacher_logits: torch.Tensor  # (B, T, K) float32
+    has_teacher: torch.Tensor     # (B, T) bool: P <= p < L, an answer position
+
+    @property
+    def positions(self) -> int:
+        return int(self.has_teacher.sum())
+
+
+def make_batch(fs: FeatureSet, seqs: list[int], device: torch.device) -> Batch:
+    T, K = int(fs.lengths[seqs].max()), fs.teacher_ids.shape[1]
+    B = len(seqs)
+    tokens, has = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool)
+    features = torch.zeros(B, T, fs.features.shape[1])
+    tids, tlogits = torch.zeros(B, T, K, dtype=torch.long), torch.zeros(B, T, K)
+    for b, s in enumerate(seqs):
+        a, z, P = int(fs.starts[s]), int(fs.starts[s + 1]), int(fs.prompt_lens[s])
+        L = z - a
+        tokens[b, :L], features[b, :L] = fs.tokens[a:z], fs.features[a:z].float()
+        rows = slice(int(fs.tstarts[s]), int(fs.tstarts[s + 1]))
+        tids[b, P:L], tlogits[b, P:L], has[b, P:L] = fs.teacher_ids[rows].long(), fs.teacher_logits[rows].float(), True
+    return Batch(*(t.to(device) for t in (tokens, features, tids, tlogits, has)))
+
+
+def length_batches(lengths: torch.Tensor, batch_tokens: int, generator: torch.Generator | None,
+                   pool: int = 256) -> list[list[int]]:
+    """Sequence indices in batches of at most `batch_tokens` padded tokens. With a generator: pools of
+    `pool` random sequences are sorted by length and cut (little padding), and the batches shuffled."""
+    order = torch.randperm(len(lengths), generator=generator).tolist() if generator else list(range(len(lengths)))
+    batches = []
+    for i in range(0, len(order), pool):
+        group = sorted(order[i: i + pool], key=lambda s: int(lengths[s]))
+        current: list[int] = []
+        for s in group:
+            if current and (len(current) + 1) * int(lengths[s]) > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(s)
+        batches.append(current)
+    if generator is not None:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    return batches
