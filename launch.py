@@ -100,6 +100,7 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=5, help="EAGLE tree: expansion steps (longest draft = depth + 1)")
     p.add_argument("--top-k", type=int, default=8, help="EAGLE tree: children per expanded node")
     p.add_argument("--total-tokens", type=int, default=32, help="EAGLE tree: tokens verified per round, root included")
+    p.add_argument("--static-tree", action="store_true", help="EAGLE-1's fixed 26-node tree (mc_sim_7b_63) instead of the dynamic one")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     if bench:
         p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "bench" / "mt_bench.jsonl", help="MT-bench style jsonl (first turns are used)")
@@ -119,10 +120,12 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
 def engine_spec(args: argparse.Namespace, **overrides):
     from core.config import TreeConfig
     from core.factory import EngineSpec
+    from core.tree import MC_SIM_7B_63
 
     fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=args.head,
                   allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"),
-                  tree=TreeConfig(args.depth, args.top_k, args.total_tokens))
+                  tree=TreeConfig(args.depth, args.top_k, args.total_tokens,
+                                    choices=MC_SIM_7B_63 if args.static_tree else None))
     return EngineSpec(**{**fields, **overrides})
 
 

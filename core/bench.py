@@ -171,7 +171,8 @@ def summarise(target: Target, spec: EngineSpec, prompts: list[Prompt], results: 
             entry["accept_rate"] = round(t.accepted / t.drafted, 3) if t.drafted else None
             entry["round_ms"] = {k: round(1000 * getattr(t, f"{k}_s") / max(r, 1), 2) for k in ("draft", "verify", "commit")}
         if name == "eagle":
-            entry["tree"] = {"depth": spec.tree.depth, "top_k": spec.tree.top_k, "total_tokens": spec.tree.total_tokens}
+            entry["tree"] = ({"static": "mc_sim_7b_63", "nodes": 1 + len(spec.tree.choices)} if spec.tree.choices else
+                             {"depth": spec.tree.depth, "top_k": spec.tree.top_k, "total_tokens": spec.tree.total_tokens})
         out["strategies"][name] = entry
     return out
 

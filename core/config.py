@@ -68,6 +68,9 @@ class TreeConfig:
     depth: int = 5          # expansion steps after the root's children
     top_k: int = 8          # children per expanded node, and frontier width
     total_tokens: int = 32  # tokens the target verifies per round, root included
+    # EAGLE-1 static tree instead: paths of top-k ranks from the root, e.g. core.tree.MC_SIM_7B_63.
+    # When set, depth/top_k/total_tokens are ignored: the shape is fixed.
+    choices: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.depth < 0 or self.top_k < 1 or self.total_tokens < 1:

@@ -18,7 +18,7 @@ import torch
 
 from core.config import TreeConfig
 from core.kv import SlabCache
-from core.tree import DraftTree, expand_frontier, rerank
+from core.tree import DraftTree, expand_frontier, make_tree, rerank, static_shape
 
 
 class EagleDrafter:
@@ -30,6 +30,7 @@ class EagleDrafter:
         self.feature_layers = head.feature_layers(num_target_layers)
         self.cache = SlabCache()
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
+        self.static = None if tree.choices is None else static_tree_shape(tree.choices)
 
     def rewind(self, common: int) -> int:
         # Pair t needs tokens 0..t+1 unchanged, so pairs t < common - 1 survive. The target must
@@ -43,7 +44,7 @@ class EagleDrafter:
         k = fresh.features.shape[0]
         assert self.head_len == len(context) - 1 - k, (self.head_len, len(context), k)
         last = self.catch_up(fresh.features, context[-k:])       # (H,)
-        tree = self.grow(context[-1], last)
+        tree = self.grow(context[-1], last) if self.static is None else self.grow_static(context[-1], last)
         self.cache.truncate(self.head_len)                        # forget the drafted nodes
         return tree
 
@@ -82,6 +83,26 @@ class EagleDrafter:
         return rerank(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens), root,
                       self.tree.total_tokens)
 
+    def grow_static(self, root: int, root_out: torch.Tensor) -> DraftTree:
+        """EAGLE-1's fixed tree: node i is the rank[i]-th most likely child of its parent. The head
+        is fed one depth at a time, like a frontier that holds the whole level."""
+        shape, rank = self.static
+        device = root_out.device
+        tokens = torch.full((shape.size,), root, dtype=torch.long, device=device)
+        prev_nodes, prev_out, fed = [0], root_out[None], []          # last fed level, its outputs (n, H)
+        for d in range(1, shape.max_depth + 1):
+            level = (shape.depth == d).nonzero().squeeze(1)          # (n,) nodes at depth d
+            slot = torch.tensor([prev_nodes.index(p) for p in shape.parents[level].tolist()], device=device)
+            ranked = self.log_probs(prev_out).topk(int(rank[level].max()) + 1, dim=-1).indices  # (n_prev, r)
+            tokens[level.to(device)] = self.head.to_target_ids(ranked[slot, rank[level].to(device)])
+            if d == shape.max_depth:
+                break
+            fed += level.tolist()
+            ancestors = shape.ancestor_mask[level][:, fed].to(device)  # (n, fed)
+            prev_out = self.feed_frontier(tokens[level.to(device)], prev_out[slot], ancestors, d - 1)
+            prev_nodes = level.tolist()
+        return make_tree(tokens.cpu(), shape.parents)
+
     def feed_frontier(self, tokens: torch.Tensor, parent_out: torch.Tensor, ancestors: torch.Tensor,
                       level: int) -> torch.Tensor:
         """tokens (k,) at depth level+1, parent_out (k, H), ancestors (k, fed) -> outputs (k, H)."""
@@ -105,3 +126,9 @@ def causal_mask(past: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
     cols = torch.arange(past + T, device=device)
     rows = torch.arange(T, device=device)[:, None] + past
     return torch.zeros(1, 1, T, past + T, dtype=dtype, device=device).masked_fill(cols > rows, torch.finfo(dtype).min)
+
+
+def static_tree_shape(choices) -> tuple[DraftTree, torch.Tensor]:
+    """EAGLE-1 choices -> (the tree's shape with placeholder tokens, rank (N,) of each node)."""
+    parents, rank = static_shape(choices)
+    return make_tree(torch.zeros_like(parents), parents), rank

@@ -228,7 +228,7 @@ def losses(head: EagleHead, outs: list[torch.Tensor], batch: Batch, cfg: TrainCo
         stats.setdefault("ce", ce[kept].mean().item())
         stats.setdefault("acc0", hit.float().mean().item())
         stats.setdefault("positions", int(rows.sum()))
-    return total, stats | {"loss": float(total)}
+    return total, stats | {"loss": float(total.detach())}
 
 
 def autocast(run: Run):
@@ -283,3 +283,140 @@ def evaluate(head: EagleHead, valset: FeatureSet, cfg: TrainConfig, run: Run) ->
     tau = 1 + sum(math.prod(alphas[: k + 1]) for k in range(depth))
     return {"loss": loss_sum / max(n0, 1), "acc0": alphas[0], "top5_0": top5 / max(reach[0], 1),
             "alphas": [round(a, 4) for a in alphas], "tau_chain": tau, "positions": reach[0]}
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def result_config(cfg: TrainConfig) -> dict:
+    """The fields a resumed run must share with the checkpoint (all but run control)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in RUN_CONTROL}
+
+
+def save_checkpoint(path: Path, head: EagleHead, opt, rng: torch.Generator, progress: Progress,
+                    cfg: TrainConfig, data_id: list[str]) -> None:
+    state = {"head": head.state_dict(), "optimizer": opt.state_dict(), "noise_rng": rng.get_state(),
+             "progress": asdict(progress), "config": result_config(cfg), "data": data_id}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a kill during the save keeps the previous checkpoint
+
+
+def load_checkpoint(path: Path, head: EagleHead, opt, rng: torch.Generator, cfg: TrainConfig,
+                    data_id: list[str]) -> Progress:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    saved = state["config"]
+    changed = sorted(k for k, v in result_config(cfg).items() if saved.get(k) != v)
+    if changed:
+        raise AerieError(f"--resume needs the settings of the checkpoint in {path.parent}; these differ: "
+                         f"{', '.join(f'{k} (was {saved.get(k)})' for k in changed)}.")
+    if state["data"] != data_id:
+        raise AerieError(f"The training data differ from those of the checkpoint in {path.parent}; "
+                         "resume with the same answers and --max-tokens, or start a new --out.")
+    head.load_state_dict(state["head"])
+    opt.load_state_dict(state["optimizer"])
+    rng.set_state(state["noise_rng"])
+    return Progress(**state["progress"])
+
+
+# ---------------------------------------------------------------- the loop
+
+def fit(head: EagleHead, trainset: FeatureSet, valset: FeatureSet, cfg: TrainConfig, run: Run, out: Path,
+        resume: bool, data_id: list[str], deadline: float | None) -> tuple[Progress, bool]:
+    """Train to the end of the last epoch, or until a stop condition; returns (progress, finished)."""
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    rng = torch.Generator().manual_seed(cfg.seed)
+    progress = load_checkpoint(out / CHECKPOINT, head, opt, rng, cfg, data_id) if resume else Progress()
+    plan = [length_batches(trainset.lengths, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed * 1000 + e))
+            for e in range(cfg.epochs)]
+    total = sum(map(len, plan))
+    save = lambda: save_checkpoint(out / CHECKPOINT, head, opt, rng, progress, cfg, data_id)  # noqa: E731
+    bar = tqdm(total=total, initial=progress.step, unit="step", desc="train", dynamic_ncols=True)
+    window: list[dict] = []
+    while progress.epoch < cfg.epochs:
+        batches = plan[progress.epoch]
+        while progress.batch < len(batches):
+            t0 = time.perf_counter()
+            batch = make_batch(trainset, batches[progress.batch], run.device)
+            stats = train_step(head, opt, batch, cfg, run, lr_at(cfg, progress.step, total), rng)
+            progress.step, progress.batch = progress.step + 1, progress.batch + 1
+            progress.positions += stats["positions"]
+            progress.seconds += time.perf_counter() - t0
+            window.append(stats)
+            bar.update(1)
+            if len(window) == cfg.log_every:
+                log(out, progress, mean_stats(window), bar)
+                window = []
+            if cfg.eval_every and progress.step % cfg.eval_every == 0:
+                validate(head, valset, cfg, run, out, progress)
+            stop = progress.step == cfg.stop_at_step or (deadline is not None and time.time() > deadline)
+            if stop or progress.step % cfg.save_every == 0:
+                save()
+            if stop:
+                bar.close()
+                return progress, False
+        progress.epoch, progress.batch = progress.epoch + 1, 0
+        validate(head, valset, cfg, run, out, progress)
+        save()
+    bar.close()
+    return progress, True
+
+
+def mean_stats(window: list[dict]) -> dict:
+    return {k: sum(s[k] for s in window) / len(window) for k in window[0]}
+
+
+def log(out: Path, progress: Progress, record: dict, bar: tqdm | None = None) -> None:
+    record = {"step": progress.step, "epoch": progress.epoch, "train_positions": progress.positions,
+              "train_s": round(progress.seconds, 1), **{k: round(v, 5) if isinstance(v, float) else v
+                                                         for k, v in record.items()}}
+    with open(out / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if bar is not None:
+        bar.set_postfix(loss=f"{record.get('loss', 0):.3f}", acc0=f"{record.get('acc0', 0):.3f}")
+
+
+def validate(head: EagleHead, valset: FeatureSet, cfg: TrainConfig, run: Run, out: Path, progress: Progress) -> dict:
+    """Held-out numbers, logged and kept in the history; the head is snapshotted for `launch.py bench`."""
+    result = evaluate(head, valset, cfg, run)
+    progress.history.append({"step": progress.step, "train_positions": progress.positions, **result})
+    log(out, progress, {"val": result})
+    tqdm.write(json.dumps({"val_step": progress.step, "epoch": progress.epoch, **result}))
+    save_head(head, out / "snapshots" / f"step-{progress.step:06d}")
+    return result
+
+
+def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume: bool = False) -> dict:
+    """The whole stage: data -> features -> training -> DIR/model.safetensors + config.json. Returns the summary."""
+    t_start = time.time()
+    deadline = t_start + cfg.time_limit_s if cfg.time_limit_s else None
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / CHECKPOINT).exists() != resume:
+        raise AerieError(f"{out} already has a training checkpoint; pass --resume to continue it, or pick a new --out."
+                         if resume is False else f"--resume: {out} has no {CHECKPOINT} to continue from.")
+    target.model.requires_grad_(False)
+    convs, dropped = load_conversations(data, target.model.config.get_text_config().vocab_size, target.context_len)
+    train_convs, val_convs = split(convs, data)
+    if not train_convs or not val_convs:
+        raise TrainDataError(f"Too few conversations ({len(convs)}) to hold out a validation split; add answers.")
+    head = new_head(target, cfg, [c.answer_ids for c in train_convs])
+    layers = head.feature_layers(target.model.config.get_text_config().num_hidden_layers)
+    folder = data.features_dir or out / "features"
+    train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
+    val_paths, cap_val = capture(target, val_convs, layers, data, folder, "val")
+    trainset, valset = load_features(train_paths), load_features(val_paths)
+    rms = float(trainset.features[:100_000].float().pow(2).mean().sqrt())  # feature scale, for the noise
+    run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, draft_index(head))
+    progress, finished = fit(head, trainset, valset, cfg, run, out, resume, [p.stem for p in train_paths], deadline)
+    save_head(head, out)
+    cap_pos, cap_s = cap_train["positions"] + cap_val["positions"], cap_train["seconds"] + cap_val["seconds"]
+    summary = {
+        "out": str(out), "kind": cfg.kind, "finished": finished, "dropped_benchmark_prompts": dropped,
+        "train_conversations": len(train_convs), "train_answer_tokens": trainset.answer_tokens,
+        "val_answer_tokens": valset.answer_tokens, "capture_positions": cap_pos, "capture_s": round(cap_s, 1),
+        "capture_pos_per_s": round(cap_pos / cap_s, 1) if cap_pos else None, "epochs": progress.epoch,
+        "steps": progress.step, "train_positions": progress.positions, "train_s": round(progress.seconds, 1),
+        "train_pos_per_s": round(progress.positions / max(progress.seconds, 1e-9), 1),
+        "val": progress.history[-1] if progress.history else None, "wall_s": round(time.time() - t_start, 1),
+    }
+    (out / "train.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

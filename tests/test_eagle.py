@@ -7,6 +7,7 @@ import torch
 from core.config import SamplingConfig, TreeConfig
 from core.eagle import EagleDrafter
 from core.engine import Engine
+from core.tree import MC_SIM_7B_63
 from models.head_checkpoint import head_config_for_target
 from models.heads import build_head
 from tests.conftest import tiny_llama, tiny_target
@@ -26,7 +27,8 @@ def run(engine, prompt, sampling):
 
 
 @pytest.mark.parametrize("kind, draft_vocab", [("eagle1", None), ("eagle3", None), ("eagle3", 100)])
-@pytest.mark.parametrize("shape", [TreeConfig(1, 1, 2), TreeConfig(3, 4, 12), TreeConfig(5, 8, 48)])
+@pytest.mark.parametrize("shape", [TreeConfig(1, 1, 2), TreeConfig(3, 4, 12), TreeConfig(5, 8, 48),
+                                   TreeConfig(choices=MC_SIM_7B_63)])
 def test_random_heads_are_lossless(kind, draft_vocab, shape):
     model = tiny_llama(seed=1, layers=4)
     prompt = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -35,7 +37,10 @@ def test_random_heads_are_lossless(kind, draft_vocab, shape):
     engine = Engine(tiny_target(model), drafter)
     steps = list(engine.generate(prompt, SamplingConfig(max_new_tokens=30)))
     assert [t for s in steps for t in s.new_ids] == plain
-    assert all(s.tree_size <= shape.total_tokens for s in steps[1:])
+    most = 1 + len(shape.choices) if shape.choices else shape.total_tokens
+    assert all(s.tree_size <= most for s in steps[1:])
+    if shape.choices:
+        assert all(s.tree_size == most for s in steps[1:])
     assert drafter.head_len <= len(engine.cached_ids) == engine.cache.get_seq_length()
 
 
@@ -69,3 +74,18 @@ def test_embedded_model_with_a_random_head_is_lossless(embedded_target):
     plain = run(Engine(embedded_target), prompt, SamplingConfig(max_new_tokens=24))
     drafter = EagleDrafter(random_head(model, "eagle1", 0), model.config.num_hidden_layers, TreeConfig(3, 4, 12))
     assert run(Engine(embedded_target, drafter), prompt, SamplingConfig(max_new_tokens=24)) == plain
+
+
+def test_static_tree_follows_the_head_ranks():
+    model = tiny_llama(seed=8, layers=4)
+    head = random_head(model, "eagle1", 1)
+
+    def first_tree(tree_config):
+        engine = Engine(tiny_target(model), EagleDrafter(head, 4, tree_config))
+        return engine.drafter.draft([1, 2, 3, 4, 9], engine.prefill([1, 2, 3, 4]))
+
+    static = first_tree(TreeConfig(choices=((0,), (1,), (0, 0), (0, 1), (0, 0, 0))))
+    dynamic = first_tree(TreeConfig(depth=0, top_k=2, total_tokens=3))  # the root's top-2 children
+    assert static.parents.tolist() == [-1, 0, 0, 1, 1, 3]
+    assert static.tokens[1:3].tolist() == dynamic.tokens[1:3].tolist()
+    assert static.tokens[3] != static.tokens[4]

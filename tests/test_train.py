@@ -1,0 +1,121 @@
+"""Head training: on a tiny random Llama that answers its own prompts greedily, a few dozen steps
+lower the loss, the saved head loads back and drafts losslessly with accepted length > 1, and an
+interrupted run resumed from its checkpoint ends exactly where an uninterrupted one does."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from core.config import SamplingConfig, TreeConfig
+from core.eagle import EagleDrafter
+from core.engine import Engine
+from core.train import TrainConfig, train, ttt_mask
+from core.train_data import DataConfig, TrainDataError
+from models.errors import UnsupportedModelError
+from models.head_checkpoint import load_head
+from tests.conftest import tiny_llama, tiny_target
+
+CFG = TrainConfig(epochs=8, lr=3e-3, warmup_steps=5, batch_tokens=200, log_every=4, save_every=1000)
+
+
+def run(engine, prompt, max_new=32):
+    steps = list(engine.generate(prompt, SamplingConfig(max_new_tokens=max_new)))
+    return [t for s in steps for t in s.new_ids], len(steps)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+@pytest.fixture(scope="module")
+def answers(model, tmp_path_factory):
+    """24 distill lines: random prompts, the tiny model's own greedy answers."""
+    path = tmp_path_factory.mktemp("distill") / "greedy.jsonl"
+    gen, engine, lines = torch.Generator().manual_seed(0), Engine(tiny_target(model)), []
+    for i in range(24):
+        prompt = torch.randint(3, 256, (int(torch.randint(6, 14, (1,), generator=gen)),), generator=gen).tolist()
+        lines.append(json.dumps({"prompt": f"prompt {i}", "prompt_ids": prompt, "answer_ids": run(engine, prompt)[0]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def data(answers, tmp_path, **kw):
+    return DataConfig(answers=(answers,), val_fraction=0.2, shard_size=8, features_dir=tmp_path / "features", **kw)
+
+
+def losses(out):
+    return [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def checkpoint_head(out):
+    return torch.load(out / "checkpoint.pt", weights_only=True)["head"]
+
+
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, init_layer=-1),
+                                 replace(CFG, kind="eagle3", draft_vocab=160, ttt_steps=3)], ids=["eagle1", "init", "eagle3"])
+def test_training_lowers_the_loss_and_the_head_drafts_losslessly(model, answers, tmp_path, cfg):
+    summary = train(tiny_target(model), data(answers, tmp_path), cfg, tmp_path / "head")
+    curve = losses(tmp_path / "head")
+    assert curve[-1] < 0.6 * curve[0], curve
+    assert summary["finished"] and summary["val"]["acc0"] > 0.2 and summary["train_positions"] > 0
+    head = load_head(str(tmp_path / "head"), model.config, model.get_input_embeddings(), model.get_output_embeddings())
+    prompt = json.loads(answers.read_text().splitlines()[0])["prompt_ids"]
+    plain, _ = run(Engine(tiny_target(model)), prompt)
+    drafted, rounds = run(Engine(tiny_target(model), EagleDrafter(head, 2, TreeConfig(3, 4, 12))), prompt)
+    assert drafted == plain
+    assert len(drafted) / rounds > 1.3  # mean accepted length on a training prompt
+
+
+def test_resume_continues_exactly(model, answers, tmp_path):
+    cfg = replace(CFG, epochs=2, save_every=3)
+    train(tiny_target(model), data(answers, tmp_path), cfg, tmp_path / "whole")
+    stopped = train(tiny_target(model), data(answers, tmp_path), replace(cfg, stop_at_step=5), tmp_path / "part")
+    assert not stopped["finished"] and stopped["steps"] == 5
+    with pytest.raises(Exception, match="--resume"):
+        train(tiny_target(model), data(answers, tmp_path), cfg, tmp_path / "part")
+    with pytest.raises(Exception, match="lr"):
+        train(tiny_target(model), data(answers, tmp_path), replace(cfg, lr=1e-3), tmp_path / "part", resume=True)
+    resumed = train(tiny_target(model), data(answers, tmp_path), cfg, tmp_path / "part", resume=True)
+    assert resumed["finished"] and resumed["steps"] > 5
+    whole, part = checkpoint_head(tmp_path / "whole"), checkpoint_head(tmp_path / "part")
+    assert all(torch.equal(whole[k], part[k]) for k in whole)
+    assert losses(tmp_path / "whole")[-1] == losses(tmp_path / "part")[-1]
+
+
+def test_features_are_reused_and_match_the_engine(model, answers, tmp_path):
+    from core.train_data import capture, load_conversations, load_features
+
+    cfg = data(answers, tmp_path)
+    convs, _ = load_conversations(cfg, 256, 512)
+    paths, first = capture(tiny_target(model), convs[:10], (2,), cfg, tmp_path / "f", "t")
+    again, second = capture(tiny_target(model), convs[:10], (2,), cfg, tmp_path / "f", "t")
+    assert paths == again and first["captured_shards"] == 2 and second["captured_shards"] == 0
+    fs = load_features(paths)
+    ids = torch.tensor([convs[3].ids])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    a, z = int(fs.starts[3]), int(fs.starts[4])
+    torch.testing.assert_close(fs.features[a:z].float(), out.hidden_states[2][0], atol=2e-3, rtol=2e-3)
+    P = len(convs[3].prompt_ids)
+    teacher = fs.teacher_ids[int(fs.tstarts[3]): int(fs.tstarts[4]), 0]
+    assert teacher.tolist() == out.logits[0, P:].argmax(-1).tolist()  # greedy answers: argmax = next token
+    assert teacher[:-1].tolist() == list(convs[3].answer_ids[1:])
+
+
+def test_benchmark_prompts_are_dropped_and_bad_input_is_refused(answers, tmp_path):
+    from core.train_data import load_conversations
+
+    convs, dropped = load_conversations(data(answers, tmp_path, exclude_prompts=("prompt 1", "prompt 2")), 256, 512)
+    assert dropped == 2 and len(convs) == 22
+    with pytest.raises(TrainDataError, match="vocabulary"):
+        load_conversations(data(answers, tmp_path), 100, 512)
+    with pytest.raises(UnsupportedModelError, match="eagle3"):
+        TrainConfig(kind="eagle1", draft_vocab=100)
+
+
+def test_ttt_mask_sees_the_committed_prefix_and_its_own_ancestors():
+    allowed = ttt_mask(3, 2, "cpu")[0, 0] == 0
+    assert allowed.tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
