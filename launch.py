@@ -144,6 +144,7 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--eval-every", type=int, default=0, help="steps between validations and head snapshots (default: at epoch ends)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's, one per core); 1 is faster while another job holds a core")
     p.add_argument("--time-limit", type=float, metavar="MIN", help="stop with a checkpoint after this many minutes; --resume goes on")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt exactly where it stopped")
     return p.parse_args(argv)
@@ -234,7 +235,7 @@ def run_train(args: argparse.Namespace) -> None:
     try:
         cfg = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                           batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, init_layer=args.init_from_target,
-                          seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
+                          seed=args.seed, save_every=args.save_every, eval_every=args.eval_every, threads=args.threads,
                           time_limit_s=args.time_limit * 60 if args.time_limit else None)
         data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
                           exclude_prompts=exclude, features_dir=args.features)

@@ -32,14 +32,14 @@ from models.heads import KINDS, EagleHead
 from models.target import Target
 
 CHECKPOINT = "checkpoint.pt"
-RUN_CONTROL = ("save_every", "eval_every", "log_every", "stop_at_step", "time_limit_s")  # may change on resume
+RUN_CONTROL = ("save_every", "eval_every", "log_every", "stop_at_step", "time_limit_s", "threads")  # may change on resume
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     kind: str = "eagle1"
     draft_vocab: int | None = None     # eagle3: keep the most frequent answer tokens (EAGLE-3 d2t); None = all
-    epochs: int = 1
+    epochs: int = 2
     lr: float = 7e-4                   # calibration.md for this ~4M-parameter head (EAGLE: 3e-5 for 0.25B)
     warmup_steps: int = 30
     final_lr_ratio: float = 0.1        # cosine decay from lr to lr * this at the last step
@@ -60,6 +60,7 @@ class TrainConfig:
     log_every: int = 10
     stop_at_step: int | None = None    # stop (with a checkpoint) after this step; --resume goes on
     time_limit_s: float | None = None  # the same, once this much wall time has passed
+    threads: int | None = None         # CPU threads; 1 can beat 2 on a 2-core machine someone else is using
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -228,7 +229,8 @@ def fit(head: EagleHead, trainset: FeatureSet, valset: FeatureSet, cfg: TrainCon
                 bar.close()
                 return progress, False
         progress.epoch, progress.batch = progress.epoch + 1, 0
-        validate(head, valset, cfg, run, out, progress)
+        if not (cfg.eval_every and progress.step % cfg.eval_every == 0):  # else just validated
+            validate(head, valset, cfg, run, out, progress)
         save()
     bar.close()
     return progress, True
@@ -263,6 +265,8 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     t_start = time.time()
     deadline = t_start + cfg.time_limit_s if cfg.time_limit_s else None
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     if (out / CHECKPOINT).exists() != resume:
         raise AerieError(f"{out} already has a training checkpoint; pass --resume to continue it, or pick a new --out."
                          if resume is False else f"--resume: {out} has no {CHECKPOINT} to continue from.")

@@ -53,7 +53,7 @@ def init_draft_vocab(head: EagleHead, model, answers: list[tuple[int, ...]]) -> 
     """EAGLE-3 `scandata`: the Vd most frequent answer tokens, ascending; draft i is target i + d2t[i].
     The draft LM head and final norm start as the target's own (its rows for those tokens)."""
     V, Vd = head.config.vocab_size, head.config.draft_vocab_size
-    counts = torch.bincount(torch.tensor([t for a in answers for t in a]), minlength=V)
+    counts = torch.bincount(torch.tensor([t for a in answers for t in a], dtype=torch.long), minlength=V)
     used = torch.argsort(-counts, stable=True)[:Vd].sort().values   # ties: the lower id
     head.d2t.copy_(used - torch.arange(Vd))
     head.t2d.copy_(torch.zeros(V, dtype=torch.bool).index_fill_(0, used, True))
@@ -93,8 +93,14 @@ def draft_index(head: EagleHead) -> torch.Tensor | None:
 # ---------------------------------------------------------------- unroll and loss
 
 def ahead(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Row t -> x[:, t + s] for the T-1 rows t; zero (False) past the end."""
-    return torch.cat([x[:, s:], torch.zeros_like(x[:, : s - 1])], dim=1)
+    """Row t -> x[:, t + s] for the W = T-1 rows t; zero (False) past the end."""
+    W = x.shape[1] - 1
+    shifted = x[:, s: s + W]
+    return torch.cat([shifted, x.new_zeros(x.shape[0], W - shifted.shape[1], *x.shape[2:])], dim=1)
+
+
+def masked_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return (x * keep).sum() / keep.sum().clamp(min=1)  # 0, not NaN, when nothing is kept
 
 
 def ttt_mask(W: int, j: int, device) -> torch.Tensor:
@@ -141,13 +147,15 @@ def losses(head: EagleHead, outs: list[torch.Tensor], batch: Batch, weights: Los
         hidden = out[rows]                                               # (M, H)
         ce, kept, hit = token_loss(head, hidden, ahead(batch.teacher_ids, 1 + j)[rows],
                                    ahead(batch.teacher_logits, 1 + j)[rows], index)
-        loss = weights.cls * ce[kept].mean()
+        ce = masked_mean(ce, kept)
+        loss = weights.cls * ce
         if weights.reg:
-            reg = F.smooth_l1_loss(hidden, ahead(batch.features, 1 + j)[rows], reduction="none").mean(-1).mean()
+            reg = F.smooth_l1_loss(hidden, ahead(batch.features, 1 + j)[rows], reduction="none").mean(-1)
+            reg = masked_mean(reg, torch.ones_like(kept))
             loss = loss + weights.reg * reg
             stats.setdefault("reg", reg.item())
         total = total + weights.decay ** j * loss
-        stats.setdefault("ce", ce[kept].mean().item())
+        stats.setdefault("ce", ce.item())
         stats.setdefault("acc0", hit.float().mean().item())
         stats.setdefault("positions", int(rows.sum()))
     return total, stats | {"loss": float(total.detach())}

@@ -12,7 +12,8 @@ from core.config import SamplingConfig, TreeConfig
 from core.eagle import EagleDrafter
 from core.engine import Engine
 from core.train import TrainConfig, train
-from core.train_head import ttt_mask
+from core.train_data import Batch
+from core.train_head import new_head, ttt_mask, unroll
 from core.train_data import DataConfig, TrainDataError
 from models.errors import UnsupportedModelError
 from models.head_checkpoint import load_head
@@ -125,3 +126,21 @@ def test_benchmark_prompts_are_dropped_and_bad_input_is_refused(answers, tmp_pat
 def test_ttt_mask_sees_the_committed_prefix_and_its_own_ancestors():
     allowed = ttt_mask(3, 2, "cpu")[0, 0] == 0
     assert allowed.tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_unroll_step_j_is_the_drafters_depth_j(model, kind):
+    """Row t of unroll step j == the EagleDrafter's output for the chain x_{t+2..t+1+j} from start t."""
+    head = new_head(model, kind, None, None, 0, [])
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i] for i in head.feature_layers(2)], dim=-1)     # (1, 20, F)
+        zeros = torch.zeros(1, 20, 1)
+        outs = unroll(head, Batch(ids, features, zeros.long(), zeros, zeros.bool()), 3, 0.0, None)
+        t, drafter = 9, EagleDrafter(head, 2, TreeConfig(2, 1, 4))
+        out = drafter.catch_up(features[0, : t + 1], ids[0, 1: t + 2].tolist())[None]   # pairs (f_s, x_{s+1}), s <= t
+        torch.testing.assert_close(out[0], outs[0][0, t])
+        for j in (1, 2):
+            out = drafter.feed_frontier(ids[0, t + 1 + j: t + 2 + j], out, torch.ones(1, j, dtype=torch.bool), j - 1)
+            torch.testing.assert_close(out[0], outs[j][0, t])
