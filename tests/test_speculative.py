@@ -79,9 +79,10 @@ def test_prompt_lookup_is_lossless_and_accepts_on_repetitive_text():
 def test_prompt_lookup_proposes_the_latest_continuations():
     d = PromptLookupDrafter()
     ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
-    assert d.continuations(ctx) == [[5, 6, 1, 2, 3], [4, 9, 1, 2, 3, 5, 6, 1, 2, 3]]
+    assert d.continuations(ctx) == [[5, 6, 1, 2, 3], [4, 9, 1, 2, 3, 5, 6, 1]]
     tree = d.draft(ctx, None)
-    assert tree.tokens[0] == 3 and tree.size == 1 + 5 + 10
+    assert tree.tokens[0] == 3 and tree.size == 1 + 5 + 8
+    assert PromptLookupDrafter().continuations([7, 1, 8, 2, 9, 1]) == []  # a lone 1-gram match is not enough
 
 
 def test_speculative_sampling_is_reproducible_with_a_seed():
