@@ -22,6 +22,7 @@ import sys
 import time
 import venv
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
@@ -103,22 +104,22 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
-    p.add_argument("--depth", type=int, default=5, help="EAGLE tree: expansion steps (longest draft = depth + 1)")
-    p.add_argument("--top-k", type=int, default=8, help="EAGLE tree: children per expanded node")
-    p.add_argument("--total-tokens", type=int, default=32, help="EAGLE tree: tokens verified per round, root included")
+    p.add_argument("--depth", type=natural, default=5, help="EAGLE tree: expansion steps (longest draft = depth + 1)")
+    p.add_argument("--top-k", type=positive, default=8, help="EAGLE tree: children per expanded node")
+    p.add_argument("--total-tokens", type=positive, default=32, help="EAGLE tree: tokens verified per round, root included")
     p.add_argument("--static-tree", action="store_true", help="EAGLE-1's fixed 26-node tree (mc_sim_7b_63) instead of the dynamic one")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     if bench:
-        p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "bench" / "mt_bench.jsonl", help="MT-bench style jsonl (first turns are used)")
-        p.add_argument("--limit", type=int, help="number of prompts, picked round-robin across categories")
-        p.add_argument("--max-new-tokens", type=int, default=128)
-        p.add_argument("--context", type=int, default=0, help="pad each prompt with filler to about this many tokens")
+        p.add_argument("--prompts", type=Path, default=ROOT / "assets" / "bench" / "mt_bench.jsonl", help="MT-bench style jsonl (first turns are used; default: the 80 MT-bench questions)")
+        p.add_argument("--limit", type=positive, help="number of prompts, picked round-robin across categories")
+        p.add_argument("--max-new-tokens", type=positive, default=128)
+        p.add_argument("--context", type=natural, default=0, help="pad each prompt with filler to about this many tokens")
         p.add_argument("--strategies", help="comma-separated subset (plain always runs)")
     else:
         p.add_argument("--strategy", default="auto", choices=["auto", "eagle", "prompt_lookup", "plain"],
                        help="auto = eagle with a head, prompt lookup without")
         p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
-        p.add_argument("--port", type=int, default=7860, help="first port to try; the next free one is used if taken")
+        p.add_argument("--port", type=port_number, default=7860, help="first port to try; the next free one is used if taken")
         p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
     return p.parse_args(argv)
 
@@ -148,6 +149,27 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, metavar="MIN", help="stop with a checkpoint after this many minutes; --resume goes on")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt exactly where it stopped")
     return p.parse_args(argv)
+
+
+def natural(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1-65535)")
+    return value
 
 
 def engine_spec(args: argparse.Namespace, **overrides):
@@ -182,7 +204,7 @@ def run_tests(argv: list[str]) -> int:
     return subprocess.run([sys.executable, "-m", "pytest", *argv], cwd=ROOT).returncode
 
 
-def fail(message: object) -> None:
+def fail(message: object) -> NoReturn:
     print(f"Aerie: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -194,14 +216,17 @@ def run_app(args: argparse.Namespace) -> None:
     from core.factory import load_engine
 
     def loader(model: str | None, quant: str | None):
-        return load_engine(engine_spec(args, model=model, quant=quant))
+        # A head is made for one target: another model from the page starts without it.
+        same = model == args.model
+        return load_engine(engine_spec(args, model=model, quant=quant, head=args.head if same else None,
+                                       strategy=args.strategy if same else "auto"))
 
     try:
         service = ChatService(loader(args.model, args.quant), loader)
     except AerieError as e:
         fail(e)
     port = free_port(args.host, args.port)
-    demo = build_ui(service, {"model": args.model or "", "quant": args.quant or "none"})
+    demo = build_ui(service, {"model": args.model or "", "quant": service.engine.target.quant})
     demo.launch(server_name=args.host, server_port=port, inbrowser=not args.no_browser,
                 prevent_thread_lock=True, **launch_options())
     print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label})", flush=True)
@@ -213,9 +238,11 @@ def run_bench(args: argparse.Namespace) -> None:
     from core.errors import AerieError
 
     strategies = tuple(args.strategies.split(",")) if args.strategies else None
+    if not args.prompts.is_file():
+        fail(f"No prompt file at {args.prompts}.")
     try:
         report = bench(engine_spec(args), args.prompts, args.limit, args.max_new_tokens, args.context, strategies)
-    except AerieError as e:
+    except (AerieError, ValueError) as e:
         fail(e)
     print(json.dumps(report))
 
@@ -230,7 +257,7 @@ def run_train(args: argparse.Namespace) -> None:
     answers = args.answers or ([ROOT.parent / "shared" / "distill" / "smollm2-135m-instruct"] if args.model is None else None)
     if not answers:
         fail("--answers is needed with --model: pass distill jsonl files of that model's answers.")
-    bench_prompts = ROOT.parent / "shared" / "bench" / "mt_bench.jsonl"  # never trained on
+    bench_prompts = ROOT / "assets" / "bench" / "mt_bench.jsonl"  # never trained on
     exclude = tuple(p.text for p in load_prompts(bench_prompts, None)) if bench_prompts.is_file() else ()
     try:
         cfg = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,

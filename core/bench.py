@@ -9,7 +9,7 @@ machines are shared and absolute times drift between runs.
 import json
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 from pathlib import Path
 
@@ -18,13 +18,12 @@ import torch
 
 from core.chat import render_prompt
 from core.config import SamplingConfig
-from core.drafters import PlainDrafter, PromptLookupDrafter
 from core.engine import Engine
-from core.factory import EngineSpec, load_eagle_head
-from core.eagle import EagleDrafter
+from core.factory import EngineSpec, make_drafter
 from models.target import LoadSpec, Target, load_target
 
 FILLER = "Here is some background you may ignore. "
+HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
 
 @dataclass(frozen=True)
@@ -91,19 +90,20 @@ def run_engine(engine: Engine, ids: list[int], max_new: int) -> tuple[list[int],
     engine.reset()  # no prefix reuse across prompts: every strategy pays its own prefill
     out, t = [], Tally()
     t0 = time.perf_counter()
-    for step in engine.generate(ids, SamplingConfig(max_new_tokens=max_new)):
+    for i, step in enumerate(engine.generate(ids, SamplingConfig(max_new_tokens=max_new))):
         out += step.new_ids
         t.rounds += 1
         t.accepted += step.accepted
         t.drafted += step.drafted
-        t.draft_s, t.verify_s, t.commit_s = t.draft_s + step.draft_s, t.verify_s + step.verify_s, t.commit_s + step.commit_s
+        if i > 0:  # step 0 is the prefill: the per-round times are for the rounds after it
+            t.draft_s, t.verify_s, t.commit_s = t.draft_s + step.draft_s, t.verify_s + step.verify_s, t.commit_s + step.commit_s
     t.seconds, t.tokens = time.perf_counter() - t0, len(out)
     return out, t
 
 
 def run_hf(target: Target, ids: list[int], max_new: int, lookup: bool) -> tuple[list[int], Tally]:
     input_ids = torch.tensor([ids], device=target.device)
-    kwargs = {"prompt_lookup_num_tokens": 10} if lookup else {}
+    kwargs = {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS} if lookup else {}
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
@@ -113,41 +113,46 @@ def run_hf(target: Target, ids: list[int], max_new: int, lookup: bool) -> tuple[
     return new, Tally(tokens=len(new), seconds=time.perf_counter() - t0)
 
 
-def memory_mb(device: torch.device) -> float:
+def measured(device: torch.device, run):
+    """run() -> (result, peak MB): the CUDA allocator's peak during the run, or on CPU the
+    process's resident memory after it (RSS has no per-run peak)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return psutil.Process().memory_info().rss / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+    result = run()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else psutil.Process().memory_info().rss
+    return result, peak / 2**20
 
 
 def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int, context: int = 0,
           strategies: tuple[str, ...] | None = None) -> dict:
     target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
     prompts = load_prompts(prompts_path, limit)
-    runners = {
-        "plain": lambda ids: run_engine(engines["plain"], ids, max_new),
-        "hf_generate": lambda ids: run_hf(target, ids, max_new, lookup=False),
-        "hf_prompt_lookup": lambda ids: run_hf(target, ids, max_new, lookup=True),
-        "prompt_lookup": lambda ids: run_engine(engines["prompt_lookup"], ids, max_new),
-    }
-    engines = {"plain": Engine(target, PlainDrafter()), "prompt_lookup": Engine(target, PromptLookupDrafter())}
-    if spec.head:
-        layers = target.model.config.get_text_config().num_hidden_layers
-        engines["eagle"] = Engine(target, EagleDrafter(load_eagle_head(target, spec.head, spec.allow_pickle), layers, spec.tree))
-        runners["eagle"] = lambda ids: run_engine(engines["eagle"], ids, max_new)
-    names = [n for n in runners if strategies is None or n in strategies or n == "plain"]
+    known = ("plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup") + (("eagle",) if spec.head else ())
+    unknown = set(strategies or ()) - set(known)
+    if unknown:
+        raise ValueError(f"Unknown strategies {', '.join(sorted(unknown))}: choose from {', '.join(known)}.")
+    names = [n for n in known if strategies is None or n in strategies or n == "plain"]
+    engines = {n: Engine(target, make_drafter(target, replace(spec, strategy=n)))
+               for n in names if n in ("plain", "prompt_lookup", "eagle")}
+
+    def runner(name: str, ids: list[int]) -> tuple[list[int], Tally]:
+        if name.startswith("hf_"):
+            return run_hf(target, ids, max_new, lookup=name == "hf_prompt_lookup")
+        return run_engine(engines[name], ids, max_new)
+
     results = {name: StrategyResult() for name in names}
     all_ids = [prompt_ids(target, p, context) for p in prompts]
     run_engine(engines["plain"], all_ids[0], 8)  # warm-up: first-call allocations
     for i, (prompt, ids) in enumerate(zip(prompts, all_ids)):
         for name in names:  # interleaved, so drift on a shared machine hits every strategy alike
-            out, tally = runners[name](ids)
+            (out, tally), peak = measured(target.device, lambda: runner(name, ids))
             res = results[name]
             res.outputs.append(out)
             tally.lossless = out == results["plain"].outputs[i]
             res.by_category[prompt.category].add(tally)
-            res.peak_mem_mb = max(res.peak_mem_mb, memory_mb(target.device))
+            res.peak_mem_mb = max(res.peak_mem_mb, peak)
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
-              + "  ".join(f"{n} {results[n].outputs[i].__len__()} tok" for n in names), flush=True)
+              + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
     report = summarise(target, spec, prompts, results, context)
     print_table(results)
     return report

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
-from core.errors import ContextOverflowError
+from core.errors import AerieError, ContextOverflowError
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
 
@@ -32,6 +32,8 @@ def fit_context(tokenizer, messages: list[dict], system_prompt: str, budget: int
     """Drop the oldest user turns (each with the answers after it) until the prompt fits `budget`
     tokens. The last user message is never dropped; if it alone does not fit, that is an error."""
     starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not starts:
+        raise AerieError("There is no user message to answer.")
     for dropped, start in enumerate(starts):
         ids = render_prompt(tokenizer, messages[start:], system_prompt)
         if len(ids) <= budget:
@@ -104,6 +106,7 @@ class ChatService:
     def load_model(self, model: str, quant: str) -> str:
         if self.loader is None:
             raise RuntimeError("this ChatService was built without a model loader")
+        self.engine.reset()  # free the KV cache first; the old weights stay until the new model loads
         self.engine = self.loader(model.strip() or None, quant)
         return self.label
 

@@ -41,7 +41,7 @@ class StepResult:
 
 @dataclass(frozen=True)
 class Verified:
-    logits: torch.Tensor                 # (T, V) target logits after each fed (or kept) token
+    logits: torch.Tensor                 # (T, V) target logits after each kept token; (1, V) after a prefill
     features: torch.Tensor | None        # (T, F) the target features the drafter asked for, else None
 
 

@@ -53,15 +53,9 @@ def load_eagle_head(target: Target, source: str, allow_pickle: bool):
     model = target.model
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     if source == "random":  # untrained: accepts little, but exercises the whole EAGLE path
-        torch.manual_seed(0)
-        config = head_config_for_target(model.config, "eagle1")
-        return build_head(config, embed, lm_head).to(device=target.device, dtype=target.dtype).eval()
+        with torch.random.fork_rng(devices=[]):  # seeded, without touching the caller's RNG
+            torch.manual_seed(0)
+            head = build_head(head_config_for_target(model.config, "eagle1"), embed, lm_head)
+        return head.to(device=target.device, dtype=target.dtype).eval()
     return load_head(source, model.config, embed, lm_head, allow_pickle=allow_pickle, dtype=target.dtype,
                      device=target.device)
-
-
-def release(engine: Engine) -> None:
-    """Drop the engine's cache and, on CUDA, hand the freed blocks back to the driver."""
-    engine.reset()
-    if engine.device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -112,11 +112,26 @@ def check_architecture(model_dir: Path) -> dict:
             f"Architecture {', '.join(archs) or 'unknown'} is not supported; Aerie runs "
             f"{', '.join(a.removesuffix('ForCausalLM') for a in SUPPORTED_ARCHITECTURES)} models."
         )
+    if uses_sliding_window(config):
+        raise UnsupportedModelError(
+            f"{model_dir.name} uses sliding-window attention, which Aerie's tree verification does not model yet; "
+            "pick a model whose layers all use full attention.")
     return config
 
 
+def uses_sliding_window(config: dict) -> bool:
+    """Mistral-7B-v0.1 sets `sliding_window`; Qwen2/3 only use theirs when `use_sliding_window`;
+    newer configs name it per layer in `layer_types`."""
+    if "sliding_attention" in (config.get("layer_types") or []):
+        return True
+    return config.get("sliding_window") is not None and config.get("use_sliding_window", True) is not False
+
+
 def load_target(spec: LoadSpec) -> Target:
-    device = torch.device(spec.device) if spec.device else default_device()
+    try:
+        device = torch.device(spec.device) if spec.device else default_device()
+    except RuntimeError as e:
+        raise UnsupportedModelError(f"Unknown device '{spec.device}': use cuda, cuda:N or cpu.") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedModelError("--device cuda was asked for but no CUDA GPU is visible to torch.")
     quant = resolve_quant(spec.quant, device)

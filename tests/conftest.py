@@ -9,6 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from models.embedded import embedded_model_dir
 from models.target import LoadSpec, Target, load_target
 
+ROOT_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
 
 def tiny_llama(vocab_size: int = 256, seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -43,3 +45,15 @@ def embedded_target(embedded_dir, cache_dir) -> Target:
 @pytest.fixture(scope="session")
 def tokenizer(embedded_target):
     return embedded_target.tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny random Llama saved as a Hugging Face folder, with the embedded tokenizer."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

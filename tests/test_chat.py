@@ -122,3 +122,10 @@ def test_embedded_model_knows_the_capital_of_france(embedded_target):
     assert "Paris" in text
     assert events[-1].finish == "eos"
     assert events[-1].stats.accept_len == 1.0 and events[-1].stats.tok_s > 0
+
+
+def test_fit_context_needs_a_user_message(tokenizer):
+    from core.errors import AerieError
+
+    with pytest.raises(AerieError, match="no user message"):
+        fit_context(tokenizer, [], "", 100)

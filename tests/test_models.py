@@ -39,20 +39,6 @@ def test_conversion_happens_once(embedded_dir, cache_dir):
     assert (embedded_dir / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer) -> Path:
-    """A tiny random Llama saved as a Hugging Face folder, with the embedded tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    out = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 def test_nf4_load_of_a_tiny_model_on_cpu(tiny_dir, cache_dir):
     import bitsandbytes as bnb
 
@@ -125,3 +111,15 @@ def test_tiny_model_greedy_matches_generate_when_loaded_from_a_folder(tiny_dir, 
                            eos_token_id=None, pad_token_id=0)[0, 4:].tolist()
     ours = [x for s in Engine(t).generate([1, 2, 3, 4], SamplingConfig(max_new_tokens=8)) for x in s.new_ids]
     assert ours[: len(ref)] == ref
+
+
+def test_sliding_window_models_are_refused(tmp_path, cache_dir):
+    config = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention"):
+        load_target(LoadSpec(model=str(tmp_path), device="cpu", cache_dir=cache_dir))
+
+
+def test_unknown_device(cache_dir):
+    with pytest.raises(UnsupportedModelError, match="Unknown device 'bogus'"):
+        load_target(LoadSpec(device="bogus", cache_dir=cache_dir))
