@@ -172,12 +172,19 @@ def port_number(text: str) -> int:
     return value
 
 
+def default_head(model: str | None) -> str | None:
+    """The head Aerie ships for the embedded model, when it is the one asked for."""
+    shipped = ROOT / "assets" / "heads" / "smollm2-135m-instruct"
+    return str(shipped) if model is None and (shipped / "config.json").is_file() else None
+
+
 def engine_spec(args: argparse.Namespace, **overrides):
     from core.config import TreeConfig
     from core.factory import EngineSpec
     from core.tree import MC_SIM_7B_63
 
-    fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=args.head,
+    head = args.head if args.head is not None else default_head(overrides.get("model", args.model))
+    fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=head,
                   allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"),
                   tree=TreeConfig(args.depth, args.top_k, args.total_tokens,
                                     choices=MC_SIM_7B_63 if args.static_tree else None))
@@ -218,7 +225,8 @@ def run_app(args: argparse.Namespace) -> None:
     def loader(model: str | None, quant: str | None):
         # A head is made for one target: another model from the page starts without it.
         same = model == args.model
-        return load_engine(engine_spec(args, model=model, quant=quant, head=args.head if same else None,
+        head = args.head if same and args.head else default_head(model)
+        return load_engine(engine_spec(args, model=model, quant=quant, head=head,
                                        strategy=args.strategy if same else "auto"))
 
     try:
