@@ -24,9 +24,19 @@ from core.tree import DraftTree, expand_frontier, make_tree, rerank, static_shap
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, head, num_target_layers: int, tree: TreeConfig):
+    def __init__(self, head, num_target_layers: int, tree: TreeConfig, draft_vocab: torch.Tensor | None = None):
         self.head = head
         self.tree = tree
+        # An EAGLE-1 head scores the whole target vocabulary through the target's LM head: on a small
+        # model that matrix is a large share of all weights (SmolLM2-135M: 28M of 135M). With a draft
+        # vocabulary (ids (Vd,)) only its rows are read: drafts are restricted to it, and the target
+        # still verifies every token, so output is unchanged.
+        self.vocab_ids, self.vocab_weight = None, None
+        if draft_vocab is not None:
+            assert head.config.kind == "eagle1", "an EAGLE-3 head carries its own draft vocabulary"
+            weight = head.target.lm_head.weight
+            self.vocab_ids = draft_vocab.to(weight.device)
+            self.vocab_weight = weight[self.vocab_ids].contiguous()      # (Vd, H)
         self.feature_layers = head.feature_layers(num_target_layers)
         self.cache = SlabCache()
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
@@ -64,7 +74,7 @@ class EagleDrafter:
         logp = self.log_probs(root_out[None])                                  # (1, Vd)
         step = expand_frontier(torch.zeros(1, device=device), logp, top_k)
         pool_scores, pool_parents = [step.scores], [torch.full((top_k,), -1, device=device)]
-        pool_tokens = [self.head.to_target_ids(step.tokens)]
+        pool_tokens = [self.to_target_ids(step.tokens)]
         frontier_pool = step.frontier                                           # (top_k,) pool indices
         parent_out = root_out[None].expand(top_k, -1)                           # (k, H)
         ancestors = torch.eye(top_k, dtype=torch.bool, device=device)           # (k, fed) tree block
@@ -75,7 +85,7 @@ class EagleDrafter:
             base = sum(len(s) for s in pool_scores)
             pool_scores.append(step.scores)
             pool_parents.append(frontier_pool[step.parent_slot])
-            pool_tokens.append(self.head.to_target_ids(step.tokens))
+            pool_tokens.append(self.to_target_ids(step.tokens))
             chosen_parent = step.parent_slot[step.frontier]                     # (k,) slots 0..k-1
             parent_out = out[chosen_parent]
             ancestors = torch.cat([ancestors[chosen_parent], torch.eye(top_k, dtype=torch.bool, device=device)], 1)
@@ -94,7 +104,7 @@ class EagleDrafter:
             level = (shape.depth == d).nonzero().squeeze(1)          # (n,) nodes at depth d
             slot = torch.tensor([prev_nodes.index(p) for p in shape.parents[level].tolist()], device=device)
             ranked = self.log_probs(prev_out).topk(int(rank[level].max()) + 1, dim=-1).indices  # (n_prev, r)
-            tokens[level.to(device)] = self.head.to_target_ids(ranked[slot, rank[level].to(device)])
+            tokens[level.to(device)] = self.to_target_ids(ranked[slot, rank[level].to(device)])
             if d == shape.max_depth:
                 break
             fed += level.tolist()
@@ -114,7 +124,15 @@ class EagleDrafter:
         return self.head(parent_out[None], tokens[None], positions, mask, self.cache)[0]
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.head.draft_logits(out).float(), dim=-1)  # (k, Vd)
+        """out (k, H) -> (k, Vd) draft log-probabilities, normalised over the draft vocabulary."""
+        if self.vocab_weight is None:
+            logits = self.head.draft_logits(out)
+        else:
+            logits = torch.nn.functional.linear(out.to(self.vocab_weight.dtype), self.vocab_weight)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target_ids(draft_ids) if self.vocab_ids is None else self.vocab_ids[draft_ids]
 
     @property
     def dtype(self) -> torch.dtype:

@@ -11,7 +11,7 @@ from core.drafters import PlainDrafter, PromptLookupDrafter
 from core.eagle import EagleDrafter
 from core.engine import Engine
 from core.errors import UnsupportedModelError
-from models.head_checkpoint import head_config_for_target, load_head
+from models.head_checkpoint import head_config_for_target, load_draft_vocab, load_head
 from models.heads import build_head
 from models.target import LoadSpec, Target, load_target
 
@@ -45,8 +45,9 @@ def make_drafter(target: Target, spec: EngineSpec):
         return PromptLookupDrafter()
     if not spec.head:
         raise UnsupportedModelError("The eagle strategy needs a head: pass --head (a Hub id, a folder, or 'random').")
-    return EagleDrafter(load_eagle_head(target, spec.head, spec.allow_pickle),
-                        target.model.config.get_text_config().num_hidden_layers, spec.tree)
+    head = load_eagle_head(target, spec.head, spec.allow_pickle)
+    draft_vocab = None if spec.head == "random" else load_draft_vocab(spec.head, target.model.config.get_text_config().vocab_size)
+    return EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, spec.tree, draft_vocab)
 
 
 def load_eagle_head(target: Target, source: str, allow_pickle: bool):

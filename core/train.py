@@ -25,13 +25,14 @@ from tqdm import tqdm
 
 from core.train_data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_conversations,
                              load_features, make_batch, split)
-from core.train_head import LossWeights, chain_hits, draft_index, losses, new_head, unroll
+from core.train_head import LossWeights, chain_hits, draft_index, frequent_tokens, losses, new_head, unroll
 from models.errors import AerieError, UnsupportedModelError
-from models.head_checkpoint import save_head
+from models.head_checkpoint import save_draft_vocab, save_head
 from models.heads import KINDS, EagleHead
 from models.target import Target
 
 CHECKPOINT = "checkpoint.pt"
+EAGLE1_DRAFT_VOCAB = 8192  # frequent answer tokens an EAGLE-1 head drafts from (98% of answer tokens here)
 RUN_CONTROL = ("save_every", "eval_every", "log_every", "stop_at_step", "time_limit_s", "threads")  # may change on resume
 
 
@@ -285,6 +286,9 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, draft_index(head))
     progress, finished = fit(head, trainset, valset, cfg, run, out, resume, [p.stem for p in train_paths], deadline)
     save_head(head, out)
+    if cfg.kind == "eagle1" and head.config.vocab_size > EAGLE1_DRAFT_VOCAB:
+        answers = [c.answer_ids for c in train_convs]
+        save_draft_vocab(out, frequent_tokens(answers, head.config.vocab_size, EAGLE1_DRAFT_VOCAB))
     cap_pos, cap_s = cap_train["positions"] + cap_val["positions"], cap_train["seconds"] + cap_val["seconds"]
     summary = {
         "out": str(out), "kind": cfg.kind, "finished": finished, "dropped_benchmark_prompts": dropped,

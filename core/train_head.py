@@ -49,12 +49,17 @@ def new_head(model, kind: str, draft_vocab: int | None, init_layer: int | None, 
     return head.to(model.get_input_embeddings().weight.device)
 
 
+def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int) -> torch.Tensor:
+    """The n most frequent answer tokens, ascending ids (ties: the lower id)."""
+    counts = torch.bincount(torch.tensor([t for a in answers for t in a], dtype=torch.long), minlength=vocab_size)
+    return torch.argsort(-counts, stable=True)[:n].sort().values
+
+
 def init_draft_vocab(head: EagleHead, model, answers: list[tuple[int, ...]]) -> None:
     """EAGLE-3 `scandata`: the Vd most frequent answer tokens, ascending; draft i is target i + d2t[i].
     The draft LM head and final norm start as the target's own (its rows for those tokens)."""
     V, Vd = head.config.vocab_size, head.config.draft_vocab_size
-    counts = torch.bincount(torch.tensor([t for a in answers for t in a], dtype=torch.long), minlength=V)
-    used = torch.argsort(-counts, stable=True)[:Vd].sort().values   # ties: the lower id
+    used = frequent_tokens(answers, V, Vd)
     head.d2t.copy_(used - torch.arange(Vd))
     head.t2d.copy_(torch.zeros(V, dtype=torch.bool).index_fill_(0, used, True))
     head.lm_head.weight.copy_(model.get_output_embeddings().weight[used].float())

@@ -124,6 +124,26 @@ def config_to_json(c: HeadConfig, dtype: torch.dtype = torch.float16) -> dict:
     return raw
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # Aerie's addition to an EAGLE-1 head; vLLM and SGLang ignore it
+
+
+def save_draft_vocab(out_dir, token_ids: torch.Tensor) -> None:
+    """The target ids an EAGLE-1 head drafts from (ascending): its LM-head rows are then the only
+    ones read each draft step, like EAGLE-3's reduced vocabulary but without retraining."""
+    save_file({"token_ids": token_ids.to(torch.int64).sort().values.contiguous()}, str(Path(out_dir) / DRAFT_VOCAB_FILE))
+
+
+def load_draft_vocab(source: str, vocab_size: int) -> torch.Tensor | None:
+    """The head folder's draft vocabulary, or None when it has none (then the full vocabulary)."""
+    path = Path(source).expanduser() / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    ids = load_file(str(path))["token_ids"]
+    if ids.ndim != 1 or len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise HeadMismatchError(f"{path} lists token ids outside this model's vocabulary of {vocab_size}.")
+    return ids
+
+
 def _resolve(source: str, allow_pickle: bool) -> Path:
     path = Path(source).expanduser()
     if path.is_dir():

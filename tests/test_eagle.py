@@ -89,3 +89,28 @@ def test_static_tree_follows_the_head_ranks():
     assert static.parents.tolist() == [-1, 0, 0, 1, 1, 3]
     assert static.tokens[1:3].tolist() == dynamic.tokens[1:3].tolist()
     assert static.tokens[3] != static.tokens[4]
+
+
+def test_a_draft_vocabulary_restricts_drafts_and_stays_lossless(tmp_path):
+    from models.head_checkpoint import load_draft_vocab, save_draft_vocab
+
+    model = tiny_llama(seed=9, layers=4)
+    head = random_head(model, "eagle1", 2)
+    prompt = [5, 9, 5, 9, 5]
+    plain = run(Engine(tiny_target(model)), prompt, SamplingConfig(max_new_tokens=30))
+    save_draft_vocab(tmp_path, torch.arange(0, 256, 2))      # even ids only
+    vocab = load_draft_vocab(str(tmp_path), 256)
+    drafter = EagleDrafter(head, 4, TreeConfig(3, 4, 12), vocab)
+    engine = Engine(tiny_target(model), drafter)
+    assert run(engine, prompt, SamplingConfig(max_new_tokens=30)) == plain
+    tree = drafter.draft(prompt + [plain[0]], engine.prefill(prompt))
+    assert all(t % 2 == 0 for t in tree.tokens[1:].tolist())
+
+
+def test_a_draft_vocabulary_out_of_range_is_refused(tmp_path):
+    from core.errors import HeadMismatchError
+    from models.head_checkpoint import load_draft_vocab, save_draft_vocab
+
+    save_draft_vocab(tmp_path, torch.tensor([1, 300]))
+    with pytest.raises(HeadMismatchError, match="outside this model's vocabulary of 256"):
+        load_draft_vocab(str(tmp_path), 256)
