@@ -5,6 +5,7 @@
     python3 launch.py test [pytest args]                    set up with the test extras, run the tests
     python3 launch.py bench [--head H] ...                  every decoding strategy on MT-bench prompts
     python3 launch.py train --out DIR [--model M] ...       train an EAGLE head by self-distillation
+    python3 launch.py generate --out FILE.jsonl ...         greedy answers for training, continuously batched
 
 The first part runs on any Python >= 3.10 with the standard library only: it builds `.venv` next
 to this file, installs the dependencies listed in pyproject.toml (the single source) plus the
@@ -178,6 +179,35 @@ def default_head(model: str | None) -> str | None:
     return str(shipped) if model is None and (shipped / "config.json").is_file() else None
 
 
+def parse_generate_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="launch.py generate", description="Aerie: the target's greedy answers to training "
+                                "prompts, continuously batched, appended to a distill jsonl (rerun to resume).")
+    p.add_argument("--out", type=Path, help="distill jsonl to append to; prompts already in it are skipped")
+    p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quant", choices=["nf4", "none"], help="target weights (default: nf4 on CUDA, none on CPU)")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
+    p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "prompts" / "mix_v1.jsonl",
+                   help="jsonl with a 'prompt' field, shuffled with random.Random(1234) as ../shared/distill did")
+    p.add_argument("--start", type=int, help="first shuffled prompt (default 9287: ../shared/distill answered mix_v1's "
+                   "shuffled prompts 0-840 and 6000-9286; 841-5999 are unused too)")
+    p.add_argument("--limit", type=int, help="shuffled prompts to take from --start (default: all the rest; 110 with --compare-hf)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompt-cap", type=int, default=256, help="skip prompts longer than this once chat-templated")
+    p.add_argument("--batch", type=int, help="rows decoding together (default: what fits a quarter of free RAM, at most "
+                   "64 on CPU; half of free VRAM, at most 256, on CUDA)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's, one per core); 1 while another job holds a core")
+    p.add_argument("--linear", choices=["auto", "onednn", "default"], default="auto",
+                   help="CPU matmuls: oneDNN, torch's default (MKL), or auto = whichever a quick timing finds faster")
+    p.add_argument("--compare-hf", type=int, nargs="?", const=48, metavar="BATCH",
+                   help="benchmark instead: the same prompts through transformers generate (batch 48 unless given), "
+                   "then through Aerie's generator; print both tokens/s and the ratio, write nothing")
+    args = p.parse_args(argv)
+    if args.out is None and args.compare_hf is None:
+        p.error("--out is required (or --compare-hf for a benchmark)")
+    return args
+
+
 def engine_spec(args: argparse.Namespace, **overrides):
     from core.config import TreeConfig
     from core.factory import EngineSpec
@@ -281,6 +311,24 @@ def run_train(args: argparse.Namespace) -> None:
     print(json.dumps(summary))
 
 
+def run_generate(args: argparse.Namespace) -> None:
+    from core.errors import AerieError
+    from core.generate import FRESH_START, GenerateJob, compare_with_hf, distill
+    from models.target import LoadSpec, load_target
+
+    job = GenerateJob(prompts=args.prompts, start=FRESH_START if args.start is None else args.start, limit=args.limit,
+                      max_new_tokens=args.max_new_tokens, prompt_cap=args.prompt_cap, batch=args.batch,
+                      threads=args.threads, linear=args.linear)
+    if not job.prompts.is_file():
+        fail(f"No prompts file at {job.prompts}.")
+    try:
+        target = load_target(LoadSpec(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir))
+        summary = compare_with_hf(target, job, args.compare_hf) if args.compare_hf else distill(target, job, args.out)
+    except (AerieError, ValueError) as e:
+        fail(e)
+    print(json.dumps(summary))
+
+
 def main(argv: list[str]) -> None:
     bootstrap(argv)
     if argv[:1] == ["test"]:
@@ -290,6 +338,9 @@ def main(argv: list[str]) -> None:
         return
     if argv[:1] == ["train"]:
         run_train(parse_train_args(argv[1:]))
+        return
+    if argv[:1] == ["generate"]:
+        run_generate(parse_generate_args(argv[1:]))
         return
     run_app(parse_args(argv))
 

@@ -1,0 +1,188 @@
+"""The continuously batched generator against greedy decoding of each prompt alone, on tiny random
+Llamas built here; the distill file it writes; the prompt slice it takes from mix_v1."""
+
+import importlib.util
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.generate import (FRESH_START, PAD_SHARE, ROW_GROUPS, BatchGenerator, GenConfig, OneDnnLinear, bands,
+                           choose_batch, hf_generate, prefill_groups, shuffled_prompts, use_onednn_linears,
+                           use_row_group_attention, write_answers)
+from tests.conftest import tiny_llama
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
+PREFIX = [11, 12, 13, 14, 15, 16]  # like a chat template's system block: shared by every prompt
+
+
+def make_prompts(n: int, seed: int, prefix=PREFIX) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [prefix + [rng.randrange(3, 256) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+@torch.no_grad()
+def greedy_alone(model, prompt: list[int], cap: int, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """The reference: one prompt, no cache, the whole sequence re-read for every token."""
+    ids, out = list(prompt), []
+    while len(out) < cap and not (out and out[-1] in eos):
+        out.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        ids.append(out[-1])
+    return tuple(out)
+
+
+def reachable_eos(model, prompts) -> tuple[int, ...]:
+    """A token greedy answers reach often: some answers end on it early, others hit their cap."""
+    seen = Counter(t for p in prompts[:6] for t in greedy_alone(model, p, 12, ())[2:])
+    return (seen.most_common(1)[0][0],)
+
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@pytest.mark.parametrize("attn,share_prefix,onednn,batch", [
+    ("sdpa", True, False, 4), ("sdpa", False, False, 4), ("eager", True, False, 4),
+    (ROW_GROUPS, True, False, 5), (ROW_GROUPS, True, True, 7), (ROW_GROUPS, False, True, 16)])
+def test_batched_greedy_equals_greedy_alone(attn, share_prefix, onednn, batch):
+    if onednn and not ONEDNN:
+        pytest.skip("this torch has no oneDNN linear")
+    model = tiny_llama(seed=1)
+    prompts = make_prompts(13, seed=2)
+    eos = reachable_eos(model, prompts)
+    caps = [random.Random(i).choice([1, 2, 5, 9, 17, 30]) for i in range(len(prompts))]
+    expected = [greedy_alone(model, p, cap, eos) for p, cap in zip(prompts, caps)]
+    if attn == ROW_GROUPS:
+        use_row_group_attention(model)
+    else:
+        model.set_attn_implementation(attn)
+    if onednn:
+        use_onednn_linears(model, batch)
+    gen = BatchGenerator(model, GenConfig(batch=batch, eos_ids=eos, share_prefix=share_prefix, bands=3), capacity=80)
+    answers = list(gen.generate(prompts, caps))
+    got = {a.index: a.answer_ids for a in answers}
+    assert sorted(got) == list(range(len(prompts))) and len(answers) == len(prompts)
+    assert [got[i] for i in range(len(prompts))] == expected
+    assert any(e[-1] in eos for e in expected) and any(len(e) == c and e[-1] not in eos for e, c in zip(expected, caps))
+    assert gen.stats.row_steps == sum(len(e) - 1 for e in expected)  # every decode row-step made a kept token
+    assert gen.stats.answer_tokens == sum(map(len, expected))
+
+
+def test_bands_keep_the_longest_rows_together():
+    """With ROW_GROUPS attention a hole sinks to the last band, so each band attends to little padding."""
+    model = tiny_llama(seed=8)
+    use_row_group_attention(model)
+    prompts = make_prompts(40, seed=9)
+    gen = BatchGenerator(model, GenConfig(batch=12, max_new_tokens=24, bands=4), capacity=80)
+    caps = [random.Random(i).randrange(4, 25) for i in range(len(prompts))]
+    got = {a.index: a.answer_ids for a in gen.generate(prompts, caps)}
+    assert [got[i] for i in range(len(prompts))] == [greedy_alone(model, p, c, ()) for p, c in zip(prompts, caps)]
+    assert gen.stats.used_slots / gen.stats.attended_slots > 0.8
+    assert bands(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)] and bands(2, 4) == [(0, 1), (1, 2)]
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear")
+def test_onednn_linear_is_the_same_linear():
+    dense = torch.nn.Linear(64, 96)
+    fast = OneDnnLinear(dense, rows=8)
+    for shape in [(1, 64), (8, 1, 64), (3, 17, 64)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(fast(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_more_rows_than_prompts_and_no_common_prefix():
+    model = tiny_llama(seed=4)
+    prompts = [[7], [200, 3, 9], [8, 8, 8, 8, 8, 8, 8, 8, 8]]
+    gen = BatchGenerator(model, GenConfig(batch=16, max_new_tokens=12), capacity=24)
+    got = {a.index: a.answer_ids for a in gen.generate(prompts)}
+    assert [got[i] for i in range(3)] == [greedy_alone(model, p, 12, ()) for p in prompts]
+
+
+def test_the_baseline_is_greedy_too():
+    """hf_generate (left-padded transformers generate) is what the benchmark compares against."""
+    model = tiny_llama(seed=5)
+    prompts = make_prompts(7, seed=6)
+    eos = reachable_eos(model, prompts)
+    assert hf_generate(model, prompts, 15, 3, eos, pad_id=0) == [greedy_alone(model, p, 15, eos) for p in prompts]
+
+
+def test_rejects_a_prompt_the_cache_cannot_hold():
+    gen = BatchGenerator(tiny_llama(), GenConfig(batch=2, max_new_tokens=10), capacity=16)
+    with pytest.raises(ValueError, match="prompt 1"):
+        list(gen.generate([[1, 2], list(range(3, 11))]))
+
+
+def test_prefill_groups_cover_every_prompt_with_little_padding():
+    lengths = [random.Random(i).randrange(1, 200) for i in range(48)]
+    groups = prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(48))
+    for g in groups:
+        width, tokens = max(lengths[i] for i in g), sum(lengths[i] for i in g)
+        assert len(g) == 1 or width * len(g) <= (1 + PAD_SHARE) * tokens
+
+
+def test_batch_fits_memory(monkeypatch):
+    model = tiny_llama()
+    assert 1 <= choose_batch(model, 512, torch.device("cpu")) <= 64
+    monkeypatch.setattr("core.generate.psutil.virtual_memory", lambda: type("M", (), {"available": 4 * 2**20}))
+    row_bytes = 2 * 2 * 2 * 16 * 4 * 512  # K and V x layers x kv heads x head dim x fp32 x slots
+    assert choose_batch(model, 512, torch.device("cpu")) == 2**20 // row_bytes
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for render_prompt: a fixed template, one id per byte."""
+
+    def apply_chat_template(self, chat, tokenize=False, add_generation_prompt=True):
+        return "<s>" + "".join(f"{m['role']}:{m['content']}|" for m in chat) + "assistant:"
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+def test_write_answers_appends_distill_lines_and_resumes(tmp_path):
+    model = tiny_llama(seed=7)
+    tok = ByteTokenizer()
+    texts = ["hi", "what is two and two?", "x" * 90, "tell me a story", "ok"]
+    out = tmp_path / "answers.jsonl"
+
+    def generator():
+        return BatchGenerator(model, GenConfig(batch=2, max_new_tokens=6), capacity=80)
+
+    first = write_answers(generator(), tok, texts[:2], out, prompt_cap=70, progress=False)
+    assert first["answered"] == 2
+    with out.open("a") as f:
+        f.write('{"prompt": "tell me a st')  # a run killed mid-line
+    summary = write_answers(generator(), tok, texts, out, prompt_cap=70, progress=False)
+    assert summary == {**summary, "already_answered": 2, "over_prompt_cap": 1, "answered": 2}
+    rows = [json.loads(line) for line in out.read_text().split("\n") if line]
+    assert sorted(r["prompt"] for r in rows) == sorted(texts[:2] + texts[3:])
+    for r in rows:
+        assert r["prompt_ids"] == tok.encode(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}]))
+        assert tuple(r["answer_ids"]) == greedy_alone(model, r["prompt_ids"], 6, ())
+    again = write_answers(generator(), tok, texts, out, prompt_cap=70, progress=False)
+    assert again["answered"] == 0 and len(out.read_text().split("\n")) == len(rows) + 1
+
+
+@pytest.mark.skipif(not (SHARED / "distill").is_dir(), reason="needs ../shared/distill and ../shared/prompts")
+def test_default_start_is_past_the_shipped_answers():
+    texts = shuffled_prompts(SHARED / "prompts" / "mix_v1.jsonl", 0, None)
+    where = {t: i for i, t in enumerate(texts)}
+    used = [where[json.loads(line)["prompt"]] for f in sorted((SHARED / "distill").rglob("*.jsonl"))
+            for line in f.read_text().split("\n") if line]
+    assert used and max(used) == FRESH_START - 1
+    assert shuffled_prompts(SHARED / "prompts" / "mix_v1.jsonl", FRESH_START, 3) == texts[FRESH_START:FRESH_START + 3]
+
+
+def test_launch_generate_flags():
+    spec = importlib.util.spec_from_file_location("aerie_launch", Path(__file__).resolve().parent.parent / "launch.py")
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    args = launch.parse_generate_args(["--out", "answers.jsonl"])
+    assert (args.start, args.limit, args.max_new_tokens, args.prompt_cap, args.batch, args.compare_hf) == \
+        (None, None, 256, 256, None, None)
+    assert args.prompts.name == "mix_v1.jsonl" and args.linear == "auto"
+    assert launch.parse_generate_args(["--compare-hf", "--limit", "96"]).compare_hf == 48
+    with pytest.raises(SystemExit):
+        launch.parse_generate_args([])
