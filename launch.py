@@ -105,9 +105,9 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
-    p.add_argument("--depth", type=natural, default=5, help="EAGLE tree: expansion steps (longest draft = depth + 1)")
-    p.add_argument("--top-k", type=positive, default=8, help="EAGLE tree: children per expanded node")
-    p.add_argument("--total-tokens", type=positive, default=32, help="EAGLE tree: tokens verified per round, root included")
+    p.add_argument("--depth", type=natural, help="EAGLE tree: expansion steps, longest draft = depth + 1 (default: per device)")
+    p.add_argument("--top-k", type=positive, help="EAGLE tree: children per expanded node (default: per device)")
+    p.add_argument("--total-tokens", type=positive, help="EAGLE tree: tokens verified per round, root included (default: per device)")
     p.add_argument("--static-tree", action="store_true", help="EAGLE-1's fixed 26-node tree (mc_sim_7b_63) instead of the dynamic one")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     if bench:
@@ -214,10 +214,12 @@ def engine_spec(args: argparse.Namespace, **overrides):
     from core.tree import MC_SIM_7B_63
 
     head = args.head if args.head is not None else default_head(overrides.get("model", args.model))
+    shape = {k: v for k, v in (("depth", args.depth), ("top_k", args.top_k), ("total_tokens", args.total_tokens)) if v is not None}
+    tree = None  # the device's default
+    if shape or args.static_tree:
+        tree = TreeConfig(**shape, choices=MC_SIM_7B_63 if args.static_tree else None)
     fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=head,
-                  allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"),
-                  tree=TreeConfig(args.depth, args.top_k, args.total_tokens,
-                                    choices=MC_SIM_7B_63 if args.static_tree else None))
+                  allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"), tree=tree)
     return EngineSpec(**{**fields, **overrides})
 
 

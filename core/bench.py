@@ -153,13 +153,13 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
             res.peak_mem_mb = max(res.peak_mem_mb, peak)
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
-    report = summarise(target, spec, prompts, results, context)
+    report = summarise(target, engines, prompts, results, context)
     print_table(results)
     return report
 
 
-def summarise(target: Target, spec: EngineSpec, prompts: list[Prompt], results: dict[str, StrategyResult],
-              context: int) -> dict:
+def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
+              results: dict[str, StrategyResult], context: int) -> dict:
     plain, hf = results["plain"].total, results.get("hf_generate")
     out = {"model": target.name, "device": f"{target.device.type} {target.quant}", "prompts": len(prompts),
            "context_pad": context, "strategies": {}}
@@ -176,8 +176,9 @@ def summarise(target: Target, spec: EngineSpec, prompts: list[Prompt], results: 
             entry["accept_rate"] = round(t.accepted / t.drafted, 3) if t.drafted else None
             entry["round_ms"] = {k: round(1000 * getattr(t, f"{k}_s") / max(r, 1), 2) for k in ("draft", "verify", "commit")}
         if name == "eagle":
-            entry["tree"] = ({"static": "mc_sim_7b_63", "nodes": 1 + len(spec.tree.choices)} if spec.tree.choices else
-                             {"depth": spec.tree.depth, "top_k": spec.tree.top_k, "total_tokens": spec.tree.total_tokens})
+            tree = engines["eagle"].drafter.tree
+            entry["tree"] = ({"static": "mc_sim_7b_63", "nodes": 1 + len(tree.choices)} if tree.choices else
+                             {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens})
         out["strategies"][name] = entry
     return out
 

@@ -27,7 +27,17 @@ class EngineSpec:
     head: str | None = None           # Hub id, folder, "random" (a random EAGLE-1 head), or None
     allow_pickle: bool = False        # allow a head's pytorch_model.bin (pickle) when no safetensors
     strategy: str = "auto"            # auto = eagle with a head, prompt lookup without
-    tree: TreeConfig = TreeConfig()
+    tree: TreeConfig | None = None    # None = the device's default below
+
+
+# Until the tuner measures the machine (issue 5): on a 2-core CPU each verified token costs about
+# 1 ms and each draft step about 5 ms for the embedded model, so small trees win there; on a GPU a
+# verify costs nearly the same for 1 or 60 tokens (EAGLE-2's 60-token, depth-6 trees).
+DEFAULT_TREES = {"cpu": TreeConfig(depth=2, top_k=2, total_tokens=5), "cuda": TreeConfig(depth=5, top_k=8, total_tokens=48)}
+
+
+def default_tree(device: torch.device) -> TreeConfig:
+    return DEFAULT_TREES.get(device.type, DEFAULT_TREES["cpu"])
 
 
 def load_engine(spec: EngineSpec) -> Engine:
@@ -47,7 +57,8 @@ def make_drafter(target: Target, spec: EngineSpec):
         raise UnsupportedModelError("The eagle strategy needs a head: pass --head (a Hub id, a folder, or 'random').")
     head = load_eagle_head(target, spec.head, spec.allow_pickle)
     draft_vocab = None if spec.head == "random" else load_draft_vocab(spec.head, target.model.config.get_text_config().vocab_size)
-    return EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, spec.tree, draft_vocab)
+    tree = spec.tree or default_tree(target.device)
+    return EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, tree, draft_vocab)
 
 
 def load_eagle_head(target: Target, source: str, allow_pickle: bool):
