@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from core.chat import render_prompt
+from core.cpu_linear import accelerate_cpu
 from core.config import SamplingConfig
 from core.engine import Engine
 from core.factory import EngineSpec, make_drafter
@@ -126,6 +127,7 @@ def measured(device: torch.device, run):
 def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int, context: int = 0,
           strategies: tuple[str, ...] | None = None) -> dict:
     target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
+    onednn = accelerate_cpu(target)  # as the app does; transformers' generate then runs on the same kernels
     prompts = load_prompts(prompts_path, limit)
     known = ("plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup") + (("eagle",) if spec.head else ())
     unknown = set(strategies or ()) - set(known)
@@ -154,6 +156,7 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
     report = summarise(target, engines, prompts, results, context)
+    report["cpu_linear"] = "onednn" if onednn else "default"
     print_table(results)
     return report
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from core.config import TreeConfig
+from core.cpu_linear import accelerate_cpu
 from core.drafters import PlainDrafter, PromptLookupDrafter
 from core.eagle import EagleDrafter
 from core.engine import Engine
@@ -30,10 +31,11 @@ class EngineSpec:
     tree: TreeConfig | None = None    # None = the device's default below
 
 
-# Until the tuner measures the machine (issue 5): on a 2-core CPU each verified token costs about
-# 1 ms and each draft step about 5 ms for the embedded model, so small trees win there; on a GPU a
-# verify costs nearly the same for 1 or 60 tokens (EAGLE-2's 60-token, depth-6 trees).
-DEFAULT_TREES = {"cpu": TreeConfig(depth=2, top_k=2, total_tokens=5), "cuda": TreeConfig(depth=5, top_k=8, total_tokens=48)}
+# Until the tuner measures the machine (issue 5). On the 2-core CPU (oneDNN linears, one thread) a
+# verified token costs ~1 ms over the 27 ms of a one-token forward and each head step ~4 ms, so one
+# level of 4 siblings won a grid of 6 shapes (1.18x plain; depth 1-4 trees 1.04x down to 0.73x).
+# On a GPU a verify costs nearly the same for 1 or 60 tokens: EAGLE-2's own trees.
+DEFAULT_TREES = {"cpu": TreeConfig(depth=0, top_k=4, total_tokens=5), "cuda": TreeConfig(depth=5, top_k=8, total_tokens=48)}
 
 
 def default_tree(device: torch.device) -> TreeConfig:
@@ -42,6 +44,7 @@ def default_tree(device: torch.device) -> TreeConfig:
 
 def load_engine(spec: EngineSpec) -> Engine:
     target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
+    accelerate_cpu(target)
     return Engine(target, make_drafter(target, spec))
 
 

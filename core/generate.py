@@ -43,6 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from core.chat import render_prompt
+from core.cpu_linear import OneDnnLinear, onednn_is_faster, use_onednn_linears
 from models.target import Target
 
 CPU_MAX_BATCH = 64          # decode row-tokens/s on 1 core here: 173/219/242/258/252/276 at B=16/32/48/64/96/128
@@ -383,49 +384,6 @@ def choose_batch(model, capacity: int, device: torch.device) -> int:
     else:
         budget, limit = KV_MEMORY_SHARE * psutil.virtual_memory().available, CPU_MAX_BATCH
     return max(1, min(limit, int(budget // row_bytes)))
-
-
-class OneDnnLinear(torch.nn.Module):
-    """nn.Linear through oneDNN with a weight prepacked once (the op torch's inductor uses on CPU).
-    torch's default fp32 GEMM (MKL) runs AVX2 code on AMD CPUs; oneDNN uses AVX-512 where there is
-    one: 2.5x on SmolLM2's MLP at 64 rows here. Same fp32 maths; only the summation order differs."""
-
-    def __init__(self, linear: torch.nn.Linear, rows: int):
-        super().__init__()
-        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
-def onednn_is_faster(model, rows: int) -> bool:
-    """Time one MLP-shaped matmul at `rows` rows both ways (CPU, fp32 weights only)."""
-    weight = model.get_input_embeddings().weight
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
-            or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
-    dense = torch.nn.Linear(weight.shape[1], 4 * weight.shape[1], bias=False)
-    x = torch.randn(rows, 1, weight.shape[1])
-
-    def seconds(layer) -> float:
-        layer(x)  # warm-up
-        t0 = time.perf_counter()
-        for _ in range(5):
-            layer(x)
-        return time.perf_counter() - t0
-
-    with torch.inference_mode():
-        return seconds(OneDnnLinear(dense, rows)) < 0.9 * seconds(dense)
-
-
-def use_onednn_linears(model: torch.nn.Module, rows: int) -> None:
-    """Swap every nn.Linear of `model` for a OneDnnLinear packed for `rows` rows, in place (pass a
-    model you own; it stays a CPU inference model)."""
-    for module in list(model.modules()):
-        for name, child in module.named_children():
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, name, OneDnnLinear(child, rows))
 
 
 def use_row_group_attention(model) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.generate import (FRESH_START, PAD_SHARE, ROW_GROUPS, BatchGenerator, GenConfig, OneDnnLinear, bands,
-                           choose_batch, hf_generate, prefill_groups, shuffled_prompts, use_onednn_linears,
+from core.cpu_linear import OneDnnLinear, use_onednn_linears
+from core.generate import (FRESH_START, PAD_SHARE, ROW_GROUPS, BatchGenerator, GenConfig, bands,
+                           choose_batch, hf_generate, prefill_groups, shuffled_prompts,
                            use_row_group_attention, write_answers)
 from tests.conftest import tiny_llama
 
