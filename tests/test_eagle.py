@@ -114,3 +114,19 @@ def test_a_draft_vocabulary_out_of_range_is_refused(tmp_path):
     save_draft_vocab(tmp_path, torch.tensor([1, 300]))
     with pytest.raises(HeadMismatchError, match="outside this model's vocabulary of 256"):
         load_draft_vocab(str(tmp_path), 256)
+
+
+@pytest.mark.slow
+def test_the_shipped_head_is_lossless_and_accepts(embedded_target):
+    from core.chat import render_prompt
+    from core.factory import EngineSpec, make_drafter
+    from tests.conftest import ROOT_ASSETS
+
+    shipped = ROOT_ASSETS / "heads" / "smollm2-135m-instruct"
+    drafter = make_drafter(embedded_target, EngineSpec(head=str(shipped)))
+    assert drafter.name == "eagle" and drafter.vocab_ids is not None
+    prompt = render_prompt(embedded_target.tokenizer, [{"role": "user", "content": "Give me three tips for better sleep."}])
+    plain = run(Engine(embedded_target), prompt, SamplingConfig(max_new_tokens=40))
+    steps = list(Engine(embedded_target, drafter).generate(prompt, SamplingConfig(max_new_tokens=40)))
+    assert [t for s in steps for t in s.new_ids] == plain
+    assert len(plain) / len(steps) > 1.2  # a trained head: well above one token per target forward
