@@ -18,7 +18,7 @@ import torch
 
 from core.config import TreeConfig
 from core.kv import SlabCache
-from core.tree import DraftTree, expand_frontier, make_tree, rerank, static_shape
+from core.tree import DraftTree, additive_mask, expand_frontier, make_tree, rerank, static_shape
 
 
 class EagleDrafter:
@@ -62,7 +62,8 @@ class EagleDrafter:
         """Feed the committed pairs (features (K, F), tokens (K,)); return the last output (H,)."""
         K, device = features.shape[0], features.device
         positions = torch.arange(self.head_len, self.head_len + K, device=device)[None]  # (1, K)
-        mask = causal_mask(self.head_len, K, self.dtype, device)                          # (1, 1, K, P+K)
+        causal = torch.ones(K, K, dtype=torch.bool, device=device).tril()
+        mask = additive_mask(causal, self.head_len, self.dtype)                            # (1, 1, K, P+K)
         tokens = torch.tensor([next_tokens], device=device)
         out = self.head(features[None], tokens, positions, mask, self.cache)             # (1, K, H)
         self.head_len += K
@@ -116,11 +117,9 @@ class EagleDrafter:
     def feed_frontier(self, tokens: torch.Tensor, parent_out: torch.Tensor, ancestors: torch.Tensor,
                       level: int) -> torch.Tensor:
         """tokens (k,) at depth level+1, parent_out (k, H), ancestors (k, fed) -> outputs (k, H)."""
-        k, fed = ancestors.shape
-        device = tokens.device
-        mask = torch.zeros(1, 1, k, self.head_len + fed, dtype=self.dtype, device=device)
-        mask[0, 0, :, self.head_len:].masked_fill_(~ancestors, torch.finfo(self.dtype).min)
-        positions = torch.full((1, k), self.head_len + level, device=device)  # siblings share a position
+        k = ancestors.shape[0]
+        mask = additive_mask(ancestors, self.head_len, self.dtype)                 # (1, 1, k, P+fed)
+        positions = torch.full((1, k), self.head_len + level, device=tokens.device)  # siblings share a position
         return self.head(parent_out[None], tokens[None], positions, mask, self.cache)[0]
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
@@ -137,13 +136,6 @@ class EagleDrafter:
     @property
     def dtype(self) -> torch.dtype:
         return self.head.fc.weight.dtype
-
-
-def causal_mask(past: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """(1, 1, T, past+T) additive: row i sees columns <= past + i."""
-    cols = torch.arange(past + T, device=device)
-    rows = torch.arange(T, device=device)[:, None] + past
-    return torch.zeros(1, 1, T, past + T, dtype=dtype, device=device).masked_fill(cols > rows, torch.finfo(dtype).min)
 
 
 def static_tree_shape(choices) -> tuple[DraftTree, torch.Tensor]:

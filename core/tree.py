@@ -111,11 +111,16 @@ def children(tree: DraftTree) -> list[list[int]]:
 
 def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype) -> Tensor:
     """(1, 1, N, past_len+N) additive mask for one target forward over the tree tokens."""
-    # Node i sees the whole committed prefix, and inside the tree only itself and its ancestors:
-    # mask[i, past+j] = 0 iff ancestor_mask[i, j], else finfo.min (-inf that stays finite in sums).
-    n = tree.size
-    mask = torch.zeros(1, 1, n, past_len + n, dtype=dtype, device=tree.ancestor_mask.device)
-    mask[0, 0, :, past_len:].masked_fill_(~tree.ancestor_mask, torch.finfo(dtype).min)
+    return additive_mask(tree.ancestor_mask, past_len, dtype)
+
+
+def additive_mask(visible: Tensor, past_len: int, dtype: torch.dtype) -> Tensor:
+    """visible (T, n) bool -> (1, 1, T, past_len+n) additive mask: every row sees the whole committed
+    prefix, and among the n new columns only those marked visible (0 attends; finfo.min blocks, a
+    -inf that stays finite in sums). A tree passes its ancestor mask, a causal run its lower triangle."""
+    T, n = visible.shape
+    mask = torch.zeros(1, 1, T, past_len + n, dtype=dtype, device=visible.device)
+    mask[0, 0, :, past_len:].masked_fill_(~visible, torch.finfo(dtype).min)
     return mask
 
 
