@@ -28,6 +28,7 @@ from typing import NoReturn
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / "aerie-setup.json"
+QUANTS = ("nf4", "none")  # as models.target.QUANTS; repeated here so --help needs no torch
 T0 = float(os.environ.setdefault("AERIE_T0", str(time.time())))  # start of this launch, across the re-exec
 
 
@@ -101,7 +102,7 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.py" + (" bench" if bench else ""),
                                 description="Aerie: a fast local chat with lossless speculative decoding.")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=["nf4", "none"], help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), none = full precision (default on CPU)")
+    p.add_argument("--quant", choices=QUANTS, help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), none = full precision (default on CPU)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
@@ -129,7 +130,7 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.py train", description="Aerie: train an EAGLE draft head by self-distillation.")
     p.add_argument("--out", type=Path, required=True, help="folder for the head (model.safetensors + config.json), checkpoint and logs")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=["nf4", "none"], help="target weights, as for chatting (default: nf4 on CUDA, none on CPU)")
+    p.add_argument("--quant", choices=QUANTS, help="target weights, as for chatting (default: nf4 on CUDA, none on CPU)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--answers", type=Path, nargs="+", help="distill jsonl files or folders of them (default for the embedded model: ../shared/distill/smollm2-135m-instruct)")
@@ -184,7 +185,7 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
                                 "prompts, continuously batched, appended to a distill jsonl (rerun to resume).")
     p.add_argument("--out", type=Path, help="distill jsonl to append to; prompts already in it are skipped")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=["nf4", "none"], help="target weights (default: nf4 on CUDA, none on CPU)")
+    p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "prompts" / "mix_v1.jsonl",
@@ -206,6 +207,12 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     if args.out is None and args.compare_hf is None:
         p.error("--out is required (or --compare-hf for a benchmark)")
     return args
+
+
+def target_spec(args: argparse.Namespace):
+    from models.target import LoadSpec
+
+    return LoadSpec(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir)
 
 
 def engine_spec(args: argparse.Namespace, **overrides):
@@ -292,7 +299,7 @@ def run_train(args: argparse.Namespace) -> None:
     from core.errors import AerieError
     from core.train import TrainConfig, train
     from core.train_data import DataConfig
-    from models.target import LoadSpec, load_target
+    from models.target import load_target
 
     answers = args.answers or ([ROOT.parent / "shared" / "distill" / "smollm2-135m-instruct"] if args.model is None else None)
     if not answers:
@@ -306,7 +313,7 @@ def run_train(args: argparse.Namespace) -> None:
                           time_limit_s=args.time_limit * 60 if args.time_limit else None)
         data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
                           exclude_prompts=exclude, features_dir=args.features)
-        target = load_target(LoadSpec(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir))
+        target = load_target(target_spec(args))
         summary = train(target, data, cfg, args.out, resume=args.resume)
     except (AerieError, ValueError) as e:
         fail(e)
@@ -316,7 +323,7 @@ def run_train(args: argparse.Namespace) -> None:
 def run_generate(args: argparse.Namespace) -> None:
     from core.errors import AerieError
     from core.generate import FRESH_START, GenerateJob, compare_with_hf, distill
-    from models.target import LoadSpec, load_target
+    from models.target import load_target
 
     job = GenerateJob(prompts=args.prompts, start=FRESH_START if args.start is None else args.start, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, prompt_cap=args.prompt_cap, batch=args.batch,
@@ -324,7 +331,7 @@ def run_generate(args: argparse.Namespace) -> None:
     if not job.prompts.is_file():
         fail(f"No prompts file at {job.prompts}.")
     try:
-        target = load_target(LoadSpec(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir))
+        target = load_target(target_spec(args))
         summary = compare_with_hf(target, job, args.compare_hf) if args.compare_hf else distill(target, job, args.out)
     except (AerieError, ValueError) as e:
         fail(e)

@@ -17,11 +17,10 @@ import psutil
 import torch
 
 from core.chat import render_prompt
-from core.cpu_linear import accelerate_cpu
 from core.config import SamplingConfig
 from core.engine import Engine
-from core.factory import EngineSpec, make_drafter
-from models.target import LoadSpec, Target, load_target
+from core.factory import EngineSpec, load_fast_target, make_drafter
+from models.target import Target
 
 FILLER = "Here is some background you may ignore. "
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
@@ -126,8 +125,7 @@ def measured(device: torch.device, run):
 
 def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int, context: int = 0,
           strategies: tuple[str, ...] | None = None) -> dict:
-    target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
-    onednn = accelerate_cpu(target)  # as the app does; transformers' generate then runs on the same kernels
+    target, onednn = load_fast_target(spec)  # as the app does; transformers' generate then runs on the same kernels
     prompts = load_prompts(prompts_path, limit)
     known = ("plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup") + (("eagle",) if spec.head else ())
     unknown = set(strategies or ()) - set(known)

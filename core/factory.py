@@ -24,7 +24,7 @@ class EngineSpec:
     model: str | None = None          # Hub id, folder, or None for the embedded default
     quant: str | None = None
     device: str | None = None
-    cache_dir: Path = Path.home() / ".cache" / "aerie"
+    cache_dir: Path = LoadSpec.cache_dir
     head: str | None = None           # Hub id, folder, "random" (a random EAGLE-1 head), or None
     allow_pickle: bool = False        # allow a head's pytorch_model.bin (pickle) when no safetensors
     strategy: str = "auto"            # auto = eagle with a head, prompt lookup without
@@ -43,9 +43,14 @@ def default_tree(device: torch.device) -> TreeConfig:
 
 
 def load_engine(spec: EngineSpec) -> Engine:
-    target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
-    accelerate_cpu(target)
+    target, _ = load_fast_target(spec)
     return Engine(target, make_drafter(target, spec))
+
+
+def load_fast_target(spec: EngineSpec) -> tuple[Target, bool]:
+    """The target, with oneDNN linears on CPU where they are faster; -> (target, whether they are)."""
+    target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
+    return target, accelerate_cpu(target)
 
 
 def make_drafter(target: Target, spec: EngineSpec):
