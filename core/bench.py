@@ -1,14 +1,14 @@
 """`launch.py bench`: every strategy on the same prompts, in one process, greedy.
 
 Strategies: plain (ours), hf_generate (transformers greedy), hf_prompt_lookup (transformers
-assisted generation with prompt_lookup_num_tokens), prompt_lookup (ours), and eagle when a head is
-given. Prints a per-category table, then one JSON line. Compare ratios from one run only: the
+assisted generation with prompt_lookup_num_tokens), prompt_lookup (ours), and with a head eagle
+(the tuner's shape, re-planned per prompt) plus any fixed shapes asked for (eagle_d{depth}k{top_k}n{total}). Prints a per-category table, then one JSON line. Compare ratios from one run only: the
 machines are shared and absolute times drift between runs.
 """
 
 import json
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 from pathlib import Path
@@ -17,9 +17,10 @@ import psutil
 import torch
 
 from core.chat import render_prompt
-from core.config import SamplingConfig
+from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
-from core.factory import EngineSpec, load_fast_target, make_drafter
+from core.factory import EngineSpec, load_tuned, make_drafter
+from core.tuner import Tuner, Turn
 from models.target import Target
 
 FILLER = "Here is some background you may ignore. "
@@ -44,11 +45,13 @@ class Tally:
     verify_s: float = 0.0
     commit_s: float = 0.0
     lossless: bool = True
+    trees: Counter = field(default_factory=Counter)  # tuned runs: prompts per tree shape
 
     def add(self, other: "Tally") -> None:
         for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.lossless &= other.lossless
+        self.trees.update(other.trees)
 
 
 @dataclass
@@ -86,9 +89,11 @@ def prompt_ids(target: Target, prompt: Prompt, context: int) -> list[int]:
     return ids
 
 
-def run_engine(engine: Engine, ids: list[int], max_new: int) -> tuple[list[int], Tally]:
+def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None = None) -> tuple[list[int], Tally]:
+    """One greedy answer; with a tuner, planned and learned from as the chat does, one turn per prompt."""
     engine.reset()  # no prefix reuse across prompts: every strategy pays its own prefill
-    out, t = [], Tally()
+    plan = tuner.prepare(engine, len(ids)) if tuner else None
+    out, t = [], Tally(trees=Counter([shape_name(plan.tree)]) if plan and plan.tree else Counter())
     t0 = time.perf_counter()
     for i, step in enumerate(engine.generate(ids, SamplingConfig(max_new_tokens=max_new))):
         out += step.new_ids
@@ -97,8 +102,29 @@ def run_engine(engine: Engine, ids: list[int], max_new: int) -> tuple[list[int],
         t.drafted += step.drafted
         if i > 0:  # step 0 is the prefill: the per-round times are for the rounds after it
             t.draft_s, t.verify_s, t.commit_s = t.draft_s + step.draft_s, t.verify_s + step.verify_s, t.commit_s + step.commit_s
+            if tuner:
+                tuner.observe_round(engine.drafter.name, step.offers)
     t.seconds, t.tokens = time.perf_counter() - t0, len(out)
+    if tuner:
+        tuner.end_turn(Turn(engine.drafter.name, len(out) - 1, t.draft_s + t.verify_s + t.commit_s, len(ids) + len(out) / 2))
     return out, t
+
+
+def shape_name(tree: TreeConfig) -> str:
+    return "mc_sim_7b_63" if tree.choices else f"d{tree.depth}k{tree.top_k}n{tree.total_tokens}"
+
+
+def parse_trees(text: str | None) -> dict[str, TreeConfig]:
+    """'0,4,5 2,4,12' -> {'eagle_d0k4n5': TreeConfig(0, 4, 5), ...} (depth, top_k, total_tokens)."""
+    trees = {}
+    for item in (text or "").split():
+        try:
+            depth, top_k, total = (int(v) for v in item.split(","))
+            tree = TreeConfig(depth, top_k, total)
+        except ValueError as e:
+            raise ValueError(f"--trees takes depth,top_k,total_tokens triples like '0,4,5'; got '{item}' ({e}).") from e
+        trees[f"eagle_{shape_name(tree)}"] = tree
+    return trees
 
 
 def run_hf(target: Target, ids: list[int], max_new: int, lookup: bool) -> tuple[list[int], Tally]:
@@ -124,21 +150,31 @@ def measured(device: torch.device, run):
 
 
 def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int, context: int = 0,
-          strategies: tuple[str, ...] | None = None) -> dict:
-    target, onednn = load_fast_target(spec)  # as the app does; transformers' generate then runs on the same kernels
+          strategies: tuple[str, ...] | None = None, fixed_trees: dict[str, TreeConfig] | None = None) -> dict:
+    """`eagle` runs the tuned shape (re-planned per prompt, learning as it goes, as the app does);
+    `fixed_trees` adds EAGLE strategies with fixed shapes beside it (--trees, --compare-default-tree)."""
+    fixed_trees = fixed_trees or {}
+    if fixed_trees and not spec.head:
+        raise ValueError("Fixed EAGLE trees need a head (--head).")
+    loaded = load_tuned(replace(spec, strategy="eagle" if spec.head else "prompt_lookup"))
+    target, tuner = loaded.engine.target, loaded.tuner
     prompts = load_prompts(prompts_path, limit)
-    known = ("plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup") + (("eagle",) if spec.head else ())
+    known = ("plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup") + (("eagle",) if spec.head else ()) + tuple(fixed_trees)
     unknown = set(strategies or ()) - set(known)
     if unknown:
         raise ValueError(f"Unknown strategies {', '.join(sorted(unknown))}: choose from {', '.join(known)}.")
-    names = [n for n in known if strategies is None or n in strategies or n == "plain"]
+    names = [n for n in known if strategies is None or n in strategies or n == "plain" or n in fixed_trees]
     engines = {n: Engine(target, make_drafter(target, replace(spec, strategy=n)))
-               for n in names if n in ("plain", "prompt_lookup", "eagle")}
+               for n in names if n in ("plain", "prompt_lookup")}
+    engines.update({n: Engine(target, make_drafter(target, replace(spec, strategy="eagle", tree=tree)))
+                    for n, tree in fixed_trees.items()})
+    if "eagle" in names:
+        engines["eagle"] = loaded.engine
 
     def runner(name: str, ids: list[int]) -> tuple[list[int], Tally]:
         if name.startswith("hf_"):
             return run_hf(target, ids, max_new, lookup=name == "hf_prompt_lookup")
-        return run_engine(engines[name], ids, max_new)
+        return run_engine(engines[name], ids, max_new, tuner if name == "eagle" else None)
 
     results = {name: StrategyResult() for name in names}
     all_ids = [prompt_ids(target, p, context) for p in prompts]
@@ -154,7 +190,11 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
     report = summarise(target, engines, prompts, results, context)
-    report["cpu_linear"] = "onednn" if onednn else "default"
+    report["cpu_linear"] = "onednn" if loaded.onednn else "default"
+    report["profile"] = {"cached": loaded.profile_cached, "plain_ms": round(tuner.profile.plain_ms(0), 2),
+                         "measured_s": round(tuner.profile.measured_s, 2)}
+    if "eagle" in results:
+        report["strategies"]["eagle"]["plan"] = tuner.plan(len(all_ids[-1])).reason
     print_table(results)
     return report
 
@@ -176,10 +216,12 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
             r = t.rounds - len(prompts)  # rounds after the prefill
             entry["accept_rate"] = round(t.accepted / t.drafted, 3) if t.drafted else None
             entry["round_ms"] = {k: round(1000 * getattr(t, f"{k}_s") / max(r, 1), 2) for k in ("draft", "verify", "commit")}
-        if name == "eagle":
-            tree = engines["eagle"].drafter.tree
+        if name.startswith("eagle"):
+            tree = engines[name].drafter.tree
             entry["tree"] = ({"static": "mc_sim_7b_63", "nodes": 1 + len(tree.choices)} if tree.choices else
                              {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens})
+            if t.trees:
+                entry["trees_used"] = dict(t.trees.most_common())  # prompts per shape the tuner chose
         out["strategies"][name] = entry
     return out
 

@@ -37,6 +37,11 @@ class ReplyStats:
     drafted: int = 0           # the most draft tokens the rounds could accept (sum of tree depths)
     accepted: int = 0          # draft tokens the target accepted
     strategy: str = "plain"    # which drafter produced the tree: plain, prompt_lookup, eagle
+    prompt_tokens: int = 0     # the prompt as the model saw it: chat template applied, old turns trimmed
+    round_tokens: int = 0      # tokens from the rounds after the prefill...
+    round_s: float = 0.0       # ...and those rounds' engine time (draft + verify + commit)
+    plain_ms: float | None = None  # plain decoding's ms per token at this context (the latency profile)
+    tuning: str = ""           # the tuner's choice for this answer and its reason, one line
 
     @property
     def tok_s(self) -> float:
@@ -45,6 +50,14 @@ class ReplyStats:
     @property
     def accept_len(self) -> float:
         return self.new_tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        """Measured speed over plain decoding: tokens per second of engine time in the rounds,
+        times plain decoding's profiled time per token at the same context."""
+        if not self.plain_ms or self.round_s <= 0:
+            return None
+        return self.round_tokens / self.round_s * self.plain_ms / 1000
 
     @property
     def accept_rate(self) -> float | None:

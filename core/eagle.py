@@ -26,7 +26,6 @@ class EagleDrafter:
 
     def __init__(self, head, num_target_layers: int, tree: TreeConfig, draft_vocab: torch.Tensor | None = None):
         self.head = head
-        self.tree = tree
         # An EAGLE-1 head scores the whole target vocabulary through the target's LM head: on a small
         # model that matrix is a large share of all weights (SmolLM2-135M: 28M of 135M). With a draft
         # vocabulary (ids (Vd,)) only its rows are read: drafts are restricted to it, and the target
@@ -40,6 +39,11 @@ class EagleDrafter:
         self.feature_layers = head.feature_layers(num_target_layers)
         self.cache = SlabCache()
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
+        self.reshape(tree)
+
+    def reshape(self, tree: TreeConfig) -> None:
+        """Draft trees of another shape from the next round on (the tuner re-plans between turns)."""
+        self.tree = tree
         self.static = None if tree.choices is None else static_tree_shape(tree.choices)
 
     def rewind(self, common: int) -> int:

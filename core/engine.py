@@ -23,7 +23,7 @@ from core.kv import SlabCache
 from core.sampling import sample, target_probs
 from core.drafters import PlainDrafter
 from core.tree import DraftTree, tree_attention_mask, tree_position_ids
-from core.verify import Acceptance, accept_greedy, accept_sampled
+from core.verify import Acceptance, accept_greedy, accept_sampled, path_offers
 from models.target import Target
 
 
@@ -37,6 +37,7 @@ class StepResult:
     verify_s: float             # the target forward over the tree
     commit_s: float             # acceptance and the KV commit
     finish: str | None = None   # "eos" | "length" | None
+    offers: tuple[tuple[int, int], ...] = ()  # (children, accepted rank) along the path: verify.path_offers
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,13 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    def set_drafter(self, drafter: Drafter) -> None:
+        """Switch drafters between turns. The incoming one forgets what it held: the chat may have
+        moved on while it was idle, so the next prompt is encoded afresh for it."""
+        if drafter is not self.drafter:
+            self.drafter = drafter
+            drafter.rewind(0)
 
     def reset(self) -> None:
         self.cache = SlabCache()
@@ -151,7 +159,7 @@ class Engine:
         self.commit(acceptance, tree)
         t3 = time.perf_counter()
         result = StepResult(tuple(acceptance.new_tokens), acceptance.accepted, tree.max_depth, tree.size,
-                            t1 - t0, t2 - t1, t3 - t2)
+                            t1 - t0, t2 - t1, t3 - t2, offers=path_offers(tree, acceptance))
         return Round(result, kept(verified, acceptance.nodes))
 
     def verify(self, tree: DraftTree) -> Verified:

@@ -1,20 +1,24 @@
 """Building an engine from what the user asked for: target, quantization, device, drafter.
 launch.py calls this at start, for the bench, and whenever the UI switches models."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from core.budget import GIB, ModelShape, Placement, plan_placement
 from core.config import TreeConfig
 from core.cpu_linear import accelerate_cpu
 from core.drafters import PlainDrafter, PromptLookupDrafter
 from core.eagle import EagleDrafter
 from core.engine import Engine
 from core.errors import UnsupportedModelError
-from models.head_checkpoint import head_config_for_target, load_draft_vocab, load_head
+from core.probe import Probe, load_nvml
+from core.profile import LARGE_SIZES, SIZES, cached_profile, measure_profile, profile_key
+from core.tuner import Acceptance, Pins, Tuner, prior_table
+from models.head_checkpoint import head_config_for_target, head_training_record, load_draft_vocab, load_head
 from models.heads import build_head
-from models.target import LoadSpec, Target, load_target
+from models.target import LoadSpec, Target, load_resolved, resolve
 
 STRATEGIES = ("auto", "eagle", "prompt_lookup", "plain")
 
@@ -28,7 +32,9 @@ class EngineSpec:
     head: str | None = None           # Hub id, folder, "random" (a random EAGLE-1 head), or None
     allow_pickle: bool = False        # allow a head's pytorch_model.bin (pickle) when no safetensors
     strategy: str = "auto"            # auto = eagle with a head, prompt lookup without
-    tree: TreeConfig | None = None    # None = the device's default below
+    tree: TreeConfig | None = None    # the EAGLE tree before the tuner's first plan; None = the device's default
+    pins: Pins = Pins()               # what the user fixed; the tuner chooses the rest
+    vram_reserve_gb: float = 0.5      # GPU memory left to other programs
 
 
 # Until the tuner measures the machine (issue 5). On the 2-core CPU (oneDNN linears, one thread) a
@@ -42,21 +48,62 @@ def default_tree(device: torch.device) -> TreeConfig:
     return DEFAULT_TREES.get(device.type, DEFAULT_TREES["cpu"])
 
 
+@dataclass(frozen=True)
+class Loaded:
+    engine: Engine
+    tuner: Tuner
+    placement: Placement | None   # how the weights were placed on the GPU; None on CPU
+    onednn: bool                  # CPU linears run through oneDNN
+    profile_cached: bool          # the latency profile came from the cache (no measuring at start)
+
+
 def load_engine(spec: EngineSpec) -> Engine:
-    target, _ = load_fast_target(spec)
+    target, _, _ = load_fast_target(spec)
     return Engine(target, make_drafter(target, spec))
 
 
-def load_fast_target(spec: EngineSpec) -> tuple[Target, bool]:
-    """The target, with oneDNN linears on CPU where they are faster; -> (target, whether they are)."""
-    target = load_target(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
-    return target, accelerate_cpu(target)
+def load_tuned(spec: EngineSpec, probe: Probe | None = None) -> Loaded:
+    """The engine plus its tuner: the machine's latency profile (measured once, then cached) and
+    every drafter the ladder may switch to."""
+    target, onednn, placement = load_fast_target(spec, probe)
+    strategy = resolved_strategy(spec)
+    drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter()}
+    if strategy == "eagle":
+        drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"))
+    engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]))
+    offloaded = placement is not None and placement.offload
+    key = profile_key(engine, spec.head, "onednn" if onednn else "default", offloaded)
+    sizes = LARGE_SIZES if offloaded else SIZES
+    profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes))
+    alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
+    pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
+    tuner = Tuner(profile, Acceptance(prior_table(alphas)), pins, drafters, max_size=max(sizes))
+    return Loaded(engine, tuner, placement, onednn, cached)
+
+
+def resolved_strategy(spec: EngineSpec) -> str:
+    if spec.strategy not in STRATEGIES:
+        raise UnsupportedModelError(f"Unknown strategy '{spec.strategy}': choose one of {', '.join(STRATEGIES)}.")
+    return spec.strategy if spec.strategy != "auto" else ("eagle" if spec.head else "prompt_lookup")
+
+
+def load_fast_target(spec: EngineSpec, probe: Probe | None = None) -> tuple[Target, bool, Placement | None]:
+    """The target, placed within the GPU's free memory (part offloaded to RAM if it must be), with
+    oneDNN linears on CPU where they are faster; -> (target, whether they are, placement)."""
+    resolved = resolve(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
+    placement = None
+    if resolved.device.type == "cuda":
+        index = resolved.device.index or 0
+        gpus = {g.index: g for g in (probe or Probe(load_nvml())).read_gpus()}
+        free = gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
+        placement = plan_placement(ModelShape.from_config(resolved.config), resolved.quant,
+                                   resolved.dtype.itemsize, free, int(spec.vram_reserve_gb * GIB))
+    target = load_resolved(resolved, placement.gpu_weight_bytes if placement else None)
+    return target, accelerate_cpu(target), placement
 
 
 def make_drafter(target: Target, spec: EngineSpec):
-    if spec.strategy not in STRATEGIES:
-        raise UnsupportedModelError(f"Unknown strategy '{spec.strategy}': choose one of {', '.join(STRATEGIES)}.")
-    strategy = spec.strategy if spec.strategy != "auto" else ("eagle" if spec.head else "prompt_lookup")
+    strategy = resolved_strategy(spec)
     if strategy == "plain":
         return PlainDrafter()
     if strategy == "prompt_lookup":

@@ -92,3 +92,21 @@ def _along_path(tree: DraftTree, last: int, bonus: int, path: list[int] | None =
     else:
         nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
     return Acceptance(nodes=nodes, new_tokens=[*tree.tokens[nodes[1:]].tolist(), bonus])
+
+
+def path_offers(tree: DraftTree, acceptance: Acceptance) -> tuple[tuple[int, int], ...]:
+    """What the drafter offered along the accepted path, for learning acceptance by rank (Sequoia).
+
+    One (children, rank) pair per path node that had children, root first: how many children the
+    node had and the sibling rank (0 = the drafter's most likely) of the one accepted, or -1 when
+    none was. EAGLE's trees list siblings best first, so a child's index among its siblings is its
+    draft rank. The i-th pair is about depth i + 1.
+    """
+    kids, path = children(tree), acceptance.nodes.tolist()
+    offers = []
+    for depth, node in enumerate(path):
+        if not kids[node]:
+            break
+        nxt = path[depth + 1] if depth + 1 < len(path) else None
+        offers.append((len(kids[node]), kids[node].index(nxt) if nxt is not None else -1))
+    return tuple(offers)

@@ -144,6 +144,19 @@ def load_draft_vocab(source: str, vocab_size: int) -> torch.Tensor | None:
     return ids
 
 
+def head_training_record(source: str | None) -> dict:
+    """The train.json Aerie writes next to a head it trained (held-out acceptance per depth under
+    "val"), or {} for heads from elsewhere: a starting point for the tuner, nothing more."""
+    path = Path(source).expanduser() / "train.json" if source else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return {}  # the record is informational; the head itself loads from its config and weights
+    return record if isinstance(record, dict) else {}
+
+
 def _resolve(source: str, allow_pickle: bool) -> Path:
     path = Path(source).expanduser()
     if path.is_dir():

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -127,7 +128,18 @@ def uses_sliding_window(config: dict) -> bool:
     return config.get("sliding_window") is not None and config.get("use_sliding_window", True) is not False
 
 
-def load_target(spec: LoadSpec) -> Target:
+@dataclass(frozen=True)
+class Resolved:
+    """A model found and checked, not yet loaded: enough to plan where its weights go."""
+    spec: LoadSpec
+    model_dir: Path
+    config: dict
+    device: torch.device
+    quant: str
+    dtype: torch.dtype
+
+
+def resolve(spec: LoadSpec) -> Resolved:
     try:
         device = torch.device(spec.device) if spec.device else default_device()
     except RuntimeError as e:
@@ -136,23 +148,35 @@ def load_target(spec: LoadSpec) -> Target:
         raise UnsupportedModelError("--device cuda was asked for but no CUDA GPU is visible to torch.")
     quant = resolve_quant(spec.quant, device)
     model_dir = resolve_model_dir(spec.model, spec.cache_dir)
-    config = check_architecture(model_dir)
-    dtype = compute_dtype(device)
-    kwargs = {"dtype": dtype, "device_map": {"": device.index if device.type == "cuda" and device.index is not None else device.type}}
-    if quant == "nf4":
+    return Resolved(spec, model_dir, check_architecture(model_dir), device, quant, compute_dtype(device))
+
+
+def load_target(spec: LoadSpec) -> Target:
+    return load_resolved(resolve(spec))
+
+
+def load_resolved(r: Resolved, gpu_weight_bytes: int | None = None) -> Target:
+    """Load the weights; with `gpu_weight_bytes`, at most that much stays on the GPU and the rest is
+    offloaded to RAM (accelerate moves each offloaded layer in for its forward)."""
+    gpu = r.device.index or 0
+    device_map = {"": gpu if r.device.type == "cuda" else r.device.type}
+    kwargs = {"dtype": r.dtype, "device_map": device_map}
+    if gpu_weight_bytes is not None:
+        kwargs.update(device_map="auto", max_memory={gpu: gpu_weight_bytes, "cpu": psutil.virtual_memory().available})
+    if r.quant == "nf4":
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_use_double_quant=True)
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=r.dtype,
+            bnb_4bit_use_double_quant=True, llm_int8_enable_fp32_cpu_offload=gpu_weight_bytes is not None)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(r.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(r.model_dir, **kwargs).eval()
     except torch.cuda.OutOfMemoryError as e:
-        raise ModelLoadError(f"Not enough GPU memory to load {model_dir.name}; try a smaller model.") from e
+        raise ModelLoadError(f"Not enough GPU memory to load {r.model_dir.name}; try a smaller model.") from e
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"Could not load the model from {model_dir}: {str(e).splitlines()[0]}") from e
-    name = EMBEDDED_NAME if spec.model is None else (spec.model.rstrip("/").split("/")[-1])
-    return Target(model=model, tokenizer=tokenizer, name=name, device=device, quant=quant, dtype=dtype,
-                  context_len=int(config.get("max_position_embeddings") or 2048), eos_ids=eos_ids(model, tokenizer))
+        raise ModelLoadError(f"Could not load the model from {r.model_dir}: {str(e).splitlines()[0]}") from e
+    name = EMBEDDED_NAME if r.spec.model is None else (r.spec.model.rstrip("/").split("/")[-1])
+    return Target(model=model, tokenizer=tokenizer, name=name, device=r.device, quant=r.quant, dtype=r.dtype,
+                  context_len=int(r.config.get("max_position_embeddings") or 2048), eos_ids=eos_ids(model, tokenizer))
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:

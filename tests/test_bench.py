@@ -7,16 +7,21 @@ import pytest
 from core.bench import bench, load_prompts
 from core.config import TreeConfig
 from core.factory import EngineSpec
+from core.tuner import Pins
 from tests.conftest import ROOT_ASSETS
 
 
 def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
     spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random",
-                      tree=TreeConfig(2, 3, 6))
-    report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=3, max_new=6)
+                      pins=Pins(depth=2, top_k=3, total_tokens=6))
+    report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=3, max_new=6,
+                   fixed_trees={"eagle_default_tree": TreeConfig(6, 10, 60)})
     assert report["prompts"] == 3 and report["model"] == tiny_dir.name
     s = report["strategies"]
-    assert set(s) == {"plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup", "eagle"}
+    assert set(s) == {"plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup", "eagle", "eagle_default_tree"}
+    assert s["eagle_default_tree"]["tree"] == {"depth": 6, "top_k": 10, "total_tokens": 60}
+    assert s["eagle"]["trees_used"] == {"d2k3n6": 3}  # the tuner kept the pinned shape for every prompt
+    assert "depth 2, top-k 3, 6 tokens" in s["eagle"]["plan"]
     assert all(e["lossless"] for e in s.values())
     assert s["plain"]["accept_len"] == 1.0 and s["plain"]["speedup_vs_plain"] == 1.0
     assert s["eagle"]["tree"] == {"depth": 2, "top_k": 3, "total_tokens": 6}
@@ -30,6 +35,22 @@ def test_bench_refuses_unknown_strategies(tiny_dir, cache_dir):
     spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir)
     with pytest.raises(ValueError, match="Unknown strategies eagle"):
         bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=1, max_new=2, strategies=("eagle",))
+
+
+def test_bench_tunes_the_eagle_shape(tiny_dir, cache_dir):
+    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random")
+    report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=2, max_new=6, strategies=("eagle",))
+    eagle = report["strategies"]["eagle"]
+    assert eagle["lossless"] and sum(eagle["trees_used"].values()) == 2
+    assert set(eagle["tree"]) == {"depth", "top_k", "total_tokens"} and "predicted" in eagle["plan"]
+    assert report["profile"]["plain_ms"] > 0
+
+
+def test_parse_trees():
+    from core.bench import parse_trees
+    assert parse_trees("0,4,5 2,3,8") == {"eagle_d0k4n5": TreeConfig(0, 4, 5), "eagle_d2k3n8": TreeConfig(2, 3, 8)}
+    with pytest.raises(ValueError, match="triples"):
+        parse_trees("0,4")
 
 
 def test_limit_picks_round_robin_across_categories():

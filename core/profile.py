@@ -1,0 +1,189 @@
+"""The latency profile: what one round costs on this machine, measured, never assumed.
+
+At start-up the engine times, on its real device and kernels:
+  - the target's round at tree sizes `SIZES` (verify + accept + commit: everything but drafting)
+    at a short context, and at `SLOPE_SIZES` also at a long one: attention's cost grows linearly
+    with context, so round(size, context) = short(size) + context x slope(size), both interpolated
+    piecewise-linearly in size (beyond the last size, along the last segment);
+  - with a head, one head step at each frontier width in `WIDTHS` (its forward plus scoring the
+    draft vocabulary and taking the top-k), and the rerank that turns the pool into a tree.
+Plain decoding's time per token at context c is the round of size 1 at c: the speedup gauge
+divides by it. A profile is cached as JSON per (model, quantization, device, kernels, head).
+"""
+
+import hashlib
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from core.config import SamplingConfig
+from core.tree import chain_tree, rerank
+
+SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96)  # the issue's sizes plus 2 and 4: on a CPU the step from 1 token (no mask) to a small tree matters
+LARGE_SIZES = SIZES + (128, 192, 256)   # an offloaded target: big trees may pay (SpecExec)
+WIDTHS = (1, 2, 4, 6, 8, 10)
+SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attention's growth with context
+SHORT_CONTEXT, LONG_CONTEXT = 32, 512
+REPEATS = 3
+VERSION = 2
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    sizes: tuple[int, ...]
+    round_ms: tuple[float, ...]               # [size]: verify + accept + commit at contexts[0]
+    contexts: tuple[int, int]                 # (short, long)
+    slope_sizes: tuple[int, ...]              # sizes also measured at the long context
+    slope_ms: tuple[float, ...]               # [slope size]: extra ms per cached token of context
+    widths: tuple[int, ...] = ()
+    head_ms: tuple[float, ...] = ()           # [width]: one head step and its top-k; () without a head
+    rerank_ms: float = 0.0                    # the pool -> tree step of a round
+    measured_s: float = 0.0                   # how long measuring took
+
+    def round(self, size: float, context: float) -> float:
+        """ms of a round verifying `size` tokens after `context` cached ones: the short-context cost
+        plus attention's share, linear in context."""
+        extra = (context - self.contexts[0]) * interpolate(self.slope_sizes, self.slope_ms, size)
+        return max(interpolate(self.sizes, self.round_ms, size) + extra, 1e-3)
+
+    def plain_ms(self, context: float) -> float:
+        """Plain decoding's time per token at `context`: a round of the root alone."""
+        return self.round(1, context)
+
+    def head(self, width: float) -> float:
+        return interpolate(self.widths, self.head_ms, width) if self.head_ms else 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LatencyProfile":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def interpolate(xs, ys, x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended along the end segments."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = max(1, min(len(xs) - 1, next((j for j, v in enumerate(xs) if v >= x), len(xs) - 1)))
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def profile_key(engine, head_source: str | None, kernels: str, offloaded: bool) -> dict:
+    target = engine.target
+    device = (torch.cuda.get_device_name(target.device) if target.device.type == "cuda"
+              else f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads")
+    return {"version": VERSION, "model": str(target.model.config.name_or_path), "quant": target.quant,
+            "dtype": str(target.dtype), "device": device, "kernels": kernels, "head": head_source,
+            "offloaded": offloaded, "torch": torch.__version__, "sizes": list(SIZES)}
+
+
+def cached_profile(cache_dir: Path, key: dict, measure) -> tuple[LatencyProfile, bool]:
+    """The profile stored for `key`, or `measure()` stored now; -> (profile, whether it was cached)."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / "profiles" / f"{digest}.json"
+    if path.is_file():
+        try:
+            return LatencyProfile.from_json(json.loads(path.read_text())["profile"]), True
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            print(f"Aerie: re-measuring: the stored profile {path} is unreadable ({e}).", flush=True)
+    profile = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "profile": profile.to_json()}, indent=1))
+    tmp.replace(path)
+    return profile, False
+
+
+@torch.inference_mode()
+def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
+    """Time the engine's target (and its EAGLE drafter's head, if any) as described above. Leaves
+    the engine reset. Token ids are arbitrary: cost does not depend on them."""
+    t0 = time.perf_counter()
+    long_ = max(SHORT_CONTEXT + 1, min(LONG_CONTEXT, engine.target.context_len - max(sizes) - 1))
+    ids = torch.randint(0, engine.target.model.config.get_text_config().vocab_size, (long_ + max(sizes),),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    short_ms = monotone([time_round(engine, ids, SHORT_CONTEXT, n) for n in sizes])
+    slope_sizes = tuple(n for n in sizes if n in SLOPE_SIZES) or sizes[:1]
+    long_ms = [time_round(engine, ids, long_, n) for n in slope_sizes]
+    slopes = tuple(max(0.0, (ms - short_ms[sizes.index(n)]) / (long_ - SHORT_CONTEXT))
+                   for n, ms in zip(slope_sizes, long_ms))
+    drafter, widths, head_ms, rerank_ms = engine.drafter, (), (), 0.0
+    if hasattr(drafter, "feed_frontier"):
+        widths = WIDTHS
+        head_ms = tuple(time_head_step(drafter, engine, ids[:SHORT_CONTEXT], w) for w in widths)
+        rerank_ms = time_rerank()
+    engine.reset()
+    return LatencyProfile(tuple(sizes), short_ms, (SHORT_CONTEXT, long_), slope_sizes, slopes, widths, head_ms,
+                          rerank_ms, time.perf_counter() - t0)
+
+
+def monotone(costs: list[float]) -> tuple[float, ...]:
+    """A bigger tree never costs less; noise from other programs only ever adds time. So where a
+    cost exceeds a larger size's, the larger size's cost is the better estimate (running minimum
+    from the right)."""
+    out = list(costs)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return tuple(out)
+
+
+def time_round(engine, ids: list[int], context: int, size: int) -> float:
+    """ms of verify + accept + commit of a `size`-token tree after `context` cached tokens."""
+    engine.reset()
+    engine.prefill(ids[:context])
+    greedy, rng = SamplingConfig(), torch.Generator(device=engine.device)
+    tree = chain_tree(ids[context], ids[context + 1: context + size])
+
+    def once() -> None:
+        verified = engine.verify(tree)
+        engine.commit(engine.accept(tree, verified.logits, greedy, rng), tree)
+        engine.cache.truncate(context)
+        engine.cached_ids = engine.cached_ids[:context]
+
+    return timed(engine.device, once)
+
+
+def time_head_step(drafter, engine, ids: list[int], width: int) -> float:
+    """ms of one head step at frontier `width`: forward, draft scores and their top-k."""
+    engine.reset()
+    context = len(ids)
+    features = engine.prefill(ids).features  # the drafter asked for them: (context, F)
+    out = drafter.catch_up(features[:-1], ids[1:])  # pairs (f_t, x_{t+1}); the head's cache now holds them
+    tokens = torch.tensor(ids[:width], device=out.device)
+    parent_out = out[None].expand(width, -1)
+    ancestors = torch.eye(width, dtype=torch.bool, device=out.device)
+
+    def once() -> None:
+        drafter.log_probs(drafter.feed_frontier(tokens, parent_out, ancestors, 0)).topk(width, dim=-1)
+        drafter.cache.truncate(context - 1)
+
+    return timed(engine.device, once)
+
+
+def time_rerank(pool: int = 100, keep: int = 48) -> float:
+    """ms of turning a pool of drafted candidates into a tree (CPU-side, any device)."""
+    scores = -torch.rand(pool).cumsum(0)                    # decreasing: parents score above children
+    parents = torch.cat([torch.full((10,), -1), torch.arange(pool - 10) // 9])
+    tokens = torch.arange(pool)
+    return timed(torch.device("cpu"), lambda: rerank(scores, parents, tokens, 0, keep))
+
+
+def timed(device: torch.device, fn) -> float:
+    fn()  # warm-up: first-call allocations and kernel selection
+    times = []
+    for _ in range(REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(1000 * (time.perf_counter() - t0))
+    return min(times)  # interference only adds time: the fastest repeat is the machine's own cost
+

@@ -1,0 +1,204 @@
+"""The tuner: which drafter, and which tree shape, pays most on this machine for this chat.
+
+A shape's expected speed is E[tokens per round] / E[round time] (DESIGN.md section 6):
+  - E[tokens per round] = 1 + sum over drafted nodes of P(node accepted), with
+    P(node accepted) = product along its path of q[d, r], Sequoia's positional acceptance per depth:
+    q[d, r] = P(the target's next token is the drafter's rank-r child | the path to depth d was
+    accepted). q is learned online from every EAGLE round's `path_offers`, starting from a prior
+    (the head's held-out chain acceptance when its train.json has it). EAGLE-2's tree is simulated
+    with these values in place of the head's confidence: expand the top_k best nodes of each level,
+    `depth` times, then keep the best total_tokens - 1 of the pool.
+  - E[round time] = profile.round(total_tokens, context) + one head step per level at width top_k
+    + the catch-up step over the tokens the last round committed + the rerank (core/profile.py).
+Plain decoding costs profile.plain_ms(context) per token, so predicted speedup = speed x plain_ms.
+
+The ladder: tree -> chain -> prompt lookup -> plain. A rung is left when its measured speedup
+(tokens per second of engine time in the rounds after the prefill, times the profile's plain time
+at the turn's mean context) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, or when
+the model predicts the EAGLE rung cannot beat plain decoding. The user's pins (strategy, depth,
+top_k, total_tokens, a static tree) are never overridden.
+"""
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from core.config import TreeConfig
+from core.profile import LatencyProfile
+
+MAX_DEPTH = 7                       # expansion steps searched (longest draft = depth + 1)
+TOP_KS = (1, 2, 3, 4, 6, 8, 10)
+RANKS = 10                          # sibling ranks whose acceptance is learned
+RANK_DECAY = 0.3                    # prior: rank r+1 is accepted 0.3x as often as rank r
+PRIOR_STRENGTH = 8.0                # the prior counts as this many observed offers per (depth, rank)
+DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
+LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt lookup", "plain": "plain decoding"}
+
+
+@dataclass(frozen=True)
+class Pins:
+    """What the user fixed on the command line; None leaves it to the tuner."""
+    strategy: str | None = None       # eagle, prompt_lookup or plain
+    depth: int | None = None
+    top_k: int | None = None
+    total_tokens: int | None = None
+    static: TreeConfig | None = None  # EAGLE-1's fixed tree
+
+
+@dataclass(frozen=True)
+class Plan:
+    rung: str                         # tree, chain, prompt_lookup or plain
+    tree: TreeConfig | None           # for the EAGLE rungs
+    predicted: float | None           # predicted speedup over plain decoding; None if not modelled
+    reason: str                       # one line for the page
+
+    @property
+    def strategy(self) -> str:
+        return "eagle" if self.rung in ("tree", "chain") else self.rung
+
+
+@dataclass(frozen=True)
+class Turn:
+    strategy: str
+    tokens: int          # tokens committed by the rounds after the prefill
+    engine_s: float      # those rounds' draft + verify + commit time
+    context: float       # mean context length over the turn
+
+
+def prior_table(alphas: Sequence[float] | None) -> torch.Tensor:
+    """(MAX_DEPTH + 1, RANKS) prior q: the head's chain acceptance per depth (the last one carried
+    on, 0.5 without any), shared across ranks by RANK_DECAY."""
+    chain = list(alphas or [0.5])
+    chain += [chain[-1]] * (MAX_DEPTH + 1 - len(chain))
+    return torch.tensor(chain[: MAX_DEPTH + 1])[:, None] * RANK_DECAY ** torch.arange(RANKS)[None]
+
+
+@dataclass
+class Acceptance:
+    """Online counts of offers and acceptances per (depth, rank) on top of a prior."""
+    prior: torch.Tensor                                    # (D, R)
+    hits: torch.Tensor = field(init=False)
+    trials: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.hits, self.trials = torch.zeros_like(self.prior), torch.zeros_like(self.prior)
+
+    def observe(self, offers: Sequence[tuple[int, int]]) -> None:
+        for depth, (children, rank) in enumerate(offers[: len(self.prior)]):
+            self.trials[depth, : min(children, RANKS)] += 1
+            if 0 <= rank < RANKS:
+                self.hits[depth, rank] += 1
+
+    def q(self) -> torch.Tensor:
+        return (self.hits + PRIOR_STRENGTH * self.prior) / (self.trials + PRIOR_STRENGTH)
+
+
+def node_values(q: torch.Tensor, depth: int, top_k: int) -> torch.Tensor:
+    """P(accepted) of every node EAGLE-2 would draft with this shape, best first: (M,)."""
+    frontier, pool = torch.ones(1), []
+    for level in range(depth + 1):
+        candidates = (frontier[:, None] * q[min(level, len(q) - 1), :top_k][None]).flatten()  # (f * k,)
+        pool.append(candidates)
+        frontier = candidates.topk(min(top_k, len(candidates))).values
+    return torch.cat(pool).sort(descending=True).values
+
+
+@dataclass(frozen=True)
+class Shape:
+    tree: TreeConfig
+    tokens: float        # expected tokens per round
+    round_ms: float
+
+
+def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_size: int, pins: Pins,
+               chain: bool) -> Shape:
+    """The shape with the most expected tokens per second, within the pins and `max_size`."""
+    depths = [pins.depth] if pins.depth is not None else range(MAX_DEPTH + 1)
+    widths = [1] if chain else ([pins.top_k] if pins.top_k else TOP_KS)
+    best = None
+    for depth in depths:
+        for k in widths:
+            gained = torch.cat([torch.zeros(1), node_values(q, depth, k).cumsum(0)]).tolist()  # gained[j]: best j nodes
+            sizes = [pins.total_tokens] if pins.total_tokens else range(2, min(len(gained), max_size) + 1)
+            for n in sizes:
+                tokens = 1 + gained[min(n - 1, len(gained) - 1)]
+                ms = (profile.round(n, context) + profile.head(tokens) + depth * profile.head(k)
+                      + profile.rerank_ms)
+                if best is None or tokens / ms > best.tokens / best.round_ms:
+                    best = Shape(TreeConfig(depth=depth, top_k=k, total_tokens=n), tokens, ms)
+    return best
+
+
+class Tuner:
+    """Plans each turn; learns from its rounds. Built by core/factory.py, one per loaded model."""
+
+    def __init__(self, profile: LatencyProfile, acceptance: Acceptance, pins: Pins, drafters: dict, max_size: int):
+        """drafters: name -> drafter, "plain" and "prompt_lookup" always, "eagle" with a head."""
+        self.profile, self.acceptance, self.pins, self.max_size = profile, acceptance, pins, max_size
+        self.drafters = drafters
+        rungs = ["tree", "chain", "prompt_lookup", "plain"] if "eagle" in drafters else ["prompt_lookup", "plain"]
+        if pins.strategy is not None:
+            rungs = {"eagle": ["tree"], "prompt_lookup": ["prompt_lookup"], "plain": ["plain"]}[pins.strategy]
+        if pins.top_k == 1 and rungs[0] == "tree":
+            rungs = ["chain", *rungs[1:]]   # a pinned width of 1 is a chain: the tree rung would repeat it
+        rungs = list(dict.fromkeys(rungs))
+        self.rungs, self.rung = rungs, 0
+        self.low_turns, self.demoted = 0, ""   # turns in a row below DEMOTE_BELOW; why the last rung was left
+        self.turns: list[Turn] = []
+
+    def prepare(self, engine, context: float) -> Plan:
+        """Plan the next turn and set the engine up for it."""
+        plan = self.plan(context)
+        engine.set_drafter(self.drafters[plan.strategy])
+        if plan.tree is not None:
+            self.drafters["eagle"].reshape(plan.tree)
+        return plan
+
+    def plan(self, context: float) -> Plan:
+        plain_ms, note = self.profile.plain_ms(context), self.demoted
+        for index in range(self.rung, len(self.rungs)):
+            rung = self.rungs[index]
+            if rung not in ("tree", "chain"):
+                return Plan(rung, None, None, self._why(rung, plain_ms, context, note))
+            if self.pins.static is not None:
+                return Plan(rung, self.pins.static, None, "EAGLE-1's static tree, as asked (--static-tree)")
+            shape = best_shape(self.acceptance.q(), self.profile, context, self.max_size, self.pins, rung == "chain")
+            predicted = shape.tokens / shape.round_ms * plain_ms
+            if predicted >= 1.0 or index == len(self.rungs) - 1 or self.pins.strategy:
+                t = shape.tree
+                return Plan(rung, t, predicted,
+                            f"{LABELS[rung]} depth {t.depth}, top-k {t.top_k}, {t.total_tokens} tokens: "
+                            f"{shape.tokens:.2f} tokens per {shape.round_ms:.0f} ms round, predicted "
+                            f"{predicted:.2f}x plain ({plain_ms:.0f} ms/token at {context:.0f} tokens)"
+                            + (f"; {note}" if note else ""))
+            note = f"{LABELS[rung]} predicted only {predicted:.2f}x plain"
+        raise AssertionError("the ladder always ends in a rung that needs no model")
+
+    def _why(self, rung: str, plain_ms: float, context: float, note: str) -> str:
+        base = f"{LABELS[rung]} ({plain_ms:.0f} ms/token plain at {context:.0f} tokens)"
+        if self.pins.strategy:
+            return base + ", as asked"
+        return base + (f"; {note}" if note else "")
+
+    def observe_round(self, strategy: str, offers: Sequence[tuple[int, int]]) -> None:
+        if strategy == "eagle" and self.pins.static is None:
+            self.acceptance.observe(offers)
+
+    def speedup(self, turn: Turn) -> float | None:
+        """Measured speedup of a turn over plain decoding at its context (None if it made no rounds)."""
+        if turn.tokens == 0 or turn.engine_s <= 0:
+            return None
+        return turn.tokens / turn.engine_s * self.profile.plain_ms(turn.context) / 1000
+
+    def end_turn(self, turn: Turn) -> None:
+        """Record a finished turn; step down the ladder after DEMOTE_TURNS slow turns in a row."""
+        self.turns.append(turn)
+        measured = self.speedup(turn)
+        if measured is None or turn.tokens < MIN_TURN_TOKENS or self.rungs[self.rung] == "plain":
+            return
+        self.low_turns = self.low_turns + 1 if measured < DEMOTE_BELOW else 0
+        if self.low_turns >= DEMOTE_TURNS and self.rung < len(self.rungs) - 1:
+            self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {measured:.2f}x plain "
+                            f"for {self.low_turns} turns (< {DEMOTE_BELOW})")
+            self.rung, self.low_turns = self.rung + 1, 0

@@ -1,0 +1,243 @@
+"""Hardware-aware tuning (DESIGN.md section 6) with injected probes and given latency profiles:
+NVML readings, the memory budget, the acceptance model, the chosen shapes and the fallback ladder."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from core.budget import GIB, MemoryBudgetError, ModelShape, largest_tree, plan_placement, tree_bytes, weight_bytes
+from core.config import TreeConfig
+from core.probe import Probe
+from core.profile import LatencyProfile, interpolate, monotone
+from core.tree import make_tree
+from core.tuner import Acceptance, Pins, Tuner, Turn, best_shape, node_values, prior_table
+from core.verify import Acceptance as Accepted, path_offers
+
+LLAMA2_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096,
+             "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096}
+LLAMA3_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+             "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192}
+
+
+class FakeNvml:
+    """pynvml's surface as Aerie uses it, for cards of the given sizes (GiB) with `used` GiB taken."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, cards, used=0.5, fail_init=False):
+        self.cards, self.used, self.fail_init = cards, used, fail_init
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlDeviceGetCount(self):
+        return len(self.cards)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, i):
+        total, used = int(self.cards[i] * GIB), int(self.used * GIB)
+        return SimpleNamespace(total=total, used=used, free=total - used)
+
+    def nvmlDeviceGetName(self, i):
+        return f"Fake {self.cards[i]} GB".encode()
+
+
+# ---------------------------------------------------------------- probe
+
+
+@pytest.mark.parametrize("gb", [6, 8, 12, 24])
+def test_probe_reads_each_card(gb):
+    reading = Probe(FakeNvml([gb]), allocator=lambda i: int(0.25 * GIB)).read()
+    (gpu,) = reading.gpus
+    assert gpu.name == f"Fake {gb} GB" and gpu.total == gb * GIB and gpu.free == gpu.total - gpu.used
+    assert gpu.others == int(0.25 * GIB)  # 0.5 GiB used, 0.25 of it ours
+    assert reading.gpu_note is None and reading.host.ram_total > 0 and reading.host.cpu_count >= 1
+
+
+def test_no_gpu_is_a_normal_reading():
+    assert Probe(None).read().gpus == () and "nvidia-ml-py" in Probe(None).read().gpu_note
+    probe = Probe(FakeNvml([8], fail_init=True))
+    reading = probe.read()
+    assert reading.gpus == () and "Driver Not Loaded" in reading.gpu_note
+
+
+# ---------------------------------------------------------------- memory budget
+
+
+def test_weights_and_kv_follow_the_formulas():
+    shape = ModelShape.from_config(LLAMA2_7B)
+    assert 6.6e9 < shape.linear_params + shape.embedding_params < 6.8e9            # "7B"
+    assert 3.5 * GIB < weight_bytes(shape, "nf4", 2) < 4.0 * GIB                       # 4.13 bits per linear weight
+    assert weight_bytes(shape, "none", 2) == 2 * (shape.linear_params + shape.embedding_params)
+    from core.budget import target_kv_per_token
+    assert target_kv_per_token(shape, 2) == 2 * 32 * 32 * 128 * 2                     # 512 KiB per token
+    assert tree_bytes(shape, 64, 1000, 2) > tree_bytes(shape, 32, 1000, 2) > tree_bytes(shape, 32, 10, 2)
+
+
+@pytest.mark.parametrize("gb, offload", [(6, True), (8, False), (12, False), (24, False)])
+def test_placement_on_each_card(gb, offload):
+    free = int((gb - 0.5) * GIB)
+    placement = plan_placement(ModelShape.from_config(LLAMA2_7B), "nf4", 2, free, int(0.5 * GIB))
+    assert placement.offload == offload
+    if offload:  # what stays on the GPU leaves room for the reserve and a full-context chat
+        assert placement.gpu_weight_bytes < placement.weights and "offloaded" in placement.reason
+
+
+def test_a_card_too_small_for_even_a_share_is_refused():
+    with pytest.raises(MemoryBudgetError, match="too little is left"):
+        plan_placement(ModelShape.from_config(LLAMA3_8B), "nf4", 2, int(1.5 * GIB), int(0.5 * GIB))
+
+
+def test_tree_shapes_that_do_not_fit_are_refused():
+    shape = ModelShape.from_config(LLAMA3_8B)
+    sizes = (1, 8, 16, 32, 48, 64, 96)
+    room = tree_bytes(shape, 32, 4000, 2)
+    assert largest_tree(shape, 4000, 2, room, sizes) == 32
+    assert largest_tree(shape, 4000, 2, tree_bytes(shape, 1, 4000, 2) - 1, sizes) == 0
+
+
+# ---------------------------------------------------------------- latency profile
+
+
+def profile(round_ms, head_ms=(2.0,) * 6, slope=0.0) -> LatencyProfile:
+    sizes = (1, 2, 4, 8, 16, 32, 48, 64, 96)
+    return LatencyProfile(sizes, tuple(round_ms(n) for n in sizes), (32, 512), (1, 32), (slope, slope),
+                          (1, 2, 4, 6, 8, 10), tuple(head_ms), 0.1)
+
+
+CPU = profile(lambda n: 27.0 + 1.2 * (n - 1) + (2.0 if n > 1 else 0.0), head_ms=(3.0, 3.2, 3.6, 4.0, 4.5, 5.0))
+GPU = profile(lambda n: 20.0 + 0.02 * n, head_ms=(1.5,) * 6)
+
+
+def test_profile_interpolates_and_extrapolates():
+    assert interpolate((1, 8), (10.0, 24.0), 4) == pytest.approx(16.0)
+    assert interpolate((1, 8), (10.0, 24.0), 15) == pytest.approx(38.0)      # along the last segment
+    sloped = profile(lambda n: 10.0, slope=0.01)
+    assert sloped.plain_ms(1032) == pytest.approx(20.0)                     # 10 ms + 1000 tokens x 0.01
+    assert monotone([5.0, 9.0, 7.0, 8.0]) == (5.0, 7.0, 7.0, 8.0)           # a noisy spike is removed
+
+
+def test_profile_round_trips_through_json():
+    assert LatencyProfile.from_json(CPU.to_json()) == CPU
+
+
+# ---------------------------------------------------------------- acceptance and shapes
+
+
+def test_node_values_of_a_chain_are_products_of_the_chain_acceptance():
+    q = prior_table([0.8, 0.5, 0.5])
+    values = node_values(q, depth=2, top_k=1)
+    assert values.tolist() == pytest.approx([0.8, 0.4, 0.2])
+
+
+def test_node_values_keep_only_the_frontier_expanded():
+    q = torch.tensor([[0.6, 0.2, 0.1]] * 8)
+    values = node_values(q, depth=1, top_k=2)  # root's 2 children, then 2 children of each
+    assert sorted(values.tolist(), reverse=True) == pytest.approx([0.6, 0.36, 0.2, 0.12, 0.12, 0.04])
+
+
+def test_acceptance_learns_per_depth_and_rank():
+    acc = Acceptance(prior_table([0.5]))
+    before = acc.q().clone()
+    for _ in range(200):
+        acc.observe([(4, 1), (4, -1)])  # depth 1: rank 1 accepted; depth 2: none of 4 accepted
+    q = acc.q()
+    assert q[0, 1] > 0.9 and q[0, 0] < before[0, 0] / 10 and q[1, :4].max() < 0.05
+    assert torch.equal(q[2:], before[2:])  # depths never offered keep the prior
+
+
+def test_path_offers_name_the_accepted_ranks():
+    tree = make_tree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 1])  # root -> {1, 2}; 1 -> {3, 4}
+    assert path_offers(tree, Accepted(torch.tensor([0, 2]), [7, 1])) == ((2, 1),)
+    assert path_offers(tree, Accepted(torch.tensor([0, 1, 4]), [6, 9, 3])) == ((2, 0), (2, 1))
+    assert path_offers(tree, Accepted(torch.tensor([0, 1]), [6, 3])) == ((2, 0), (2, -1))
+
+
+def test_cpu_profile_picks_a_small_tree_and_gpu_a_large_deep_one():
+    q = prior_table([0.7, 0.6, 0.6, 0.6])
+    cpu = best_shape(q, CPU, 100, 96, Pins(), chain=False).tree
+    gpu = best_shape(q, GPU, 100, 96, Pins(), chain=False).tree
+    assert cpu.total_tokens <= 8 and gpu.total_tokens >= 32
+    assert gpu.depth > cpu.depth
+
+
+def test_pins_are_kept():
+    q = prior_table([0.7])
+    shape = best_shape(q, GPU, 100, 96, Pins(depth=2, top_k=3), chain=False).tree
+    assert (shape.depth, shape.top_k) == (2, 3)
+    assert best_shape(q, GPU, 100, 96, Pins(total_tokens=10), chain=False).tree.total_tokens == 10
+    assert best_shape(q, GPU, 100, 96, Pins(), chain=True).tree.top_k == 1
+    assert best_shape(q, GPU, 100, 16, Pins(), chain=False).tree.total_tokens <= 16   # the budget's cap
+
+
+# ---------------------------------------------------------------- the ladder
+
+
+def tuner(pins=Pins(), alphas=(0.7, 0.6), prof=CPU, head=True) -> Tuner:
+    drafters = {"plain": None, "prompt_lookup": None, **({"eagle": None} if head else {})}
+    return Tuner(prof, Acceptance(prior_table(alphas)), pins, drafters, max_size=96)
+
+
+def slow_turn(t: Tuner, speedup: float, strategy="eagle") -> None:
+    tokens = 64  # engine time chosen so that tokens / time x plain_ms = speedup
+    t.end_turn(Turn(strategy, tokens, tokens * t.profile.plain_ms(100) / 1000 / speedup, 100))
+
+
+def test_ladder_steps_down_after_two_slow_turns():
+    t = tuner()
+    assert t.plan(100).rung == "tree"
+    slow_turn(t, 0.9)
+    assert t.plan(100).rung == "tree"        # one slow turn is not enough
+    slow_turn(t, 1.2)
+    slow_turn(t, 0.9)
+    assert t.plan(100).rung == "tree"        # a fast turn in between resets the count
+    slow_turn(t, 0.9)
+    plan = t.plan(100)
+    assert plan.rung == "chain" and plan.tree.top_k == 1 and "measured 0.90x" in plan.reason
+    for _ in range(2):
+        slow_turn(t, 1.0)
+    assert t.plan(100).rung == "prompt_lookup"
+    for _ in range(2):
+        slow_turn(t, 1.0, "prompt_lookup")
+    assert t.plan(100).rung == "plain"
+    for _ in range(4):
+        slow_turn(t, 0.5, "plain")
+    assert t.plan(100).rung == "plain"       # the bottom rung stays
+
+
+def test_short_turns_do_not_move_the_ladder():
+    t = tuner()
+    for _ in range(5):
+        t.end_turn(Turn("eagle", 5, 1.0, 100))
+    assert t.plan(100).rung == "tree"
+
+
+def test_a_hopeless_model_prediction_skips_eagle():
+    t = tuner(alphas=(0.01,))
+    plan = t.plan(100)
+    assert plan.rung == "prompt_lookup" and "predicted only" in plan.reason
+
+
+def test_without_a_head_the_ladder_starts_at_prompt_lookup():
+    assert tuner(head=False).plan(100).rung == "prompt_lookup"
+
+
+def test_a_pinned_strategy_is_never_demoted():
+    t = tuner(pins=Pins(strategy="eagle"), alphas=(0.01,))
+    for _ in range(4):
+        slow_turn(t, 0.5)
+    plan = t.plan(100)
+    assert plan.rung == "tree" and plan.predicted < 1
+    assert tuner(pins=Pins(strategy="eagle", top_k=1)).plan(100).rung == "chain"
+    static = TreeConfig(choices=((0,), (1,)))
+    assert tuner(pins=Pins(static=static)).plan(100).tree == static
+
+
+def test_plan_reason_is_one_line_with_the_numbers():
+    plan = tuner().plan(100)
+    assert "\n" not in plan.reason and "predicted" in plan.reason and "ms/token" in plan.reason
