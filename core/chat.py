@@ -10,6 +10,9 @@ from typing import Callable, Iterator
 
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import AerieError, ContextOverflowError
+from core.monitor import Snapshot, snapshot
+from core.probe import Probe
+from core.tuner import Turn
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
 
@@ -91,40 +94,65 @@ class StopMatcher:
 
 
 class ChatService:
-    """What the UI talks to: messages in, `ReplyEvent`s out. `loader(model, quant) -> Engine`
-    is supplied by launch.py so the service can switch models without knowing how they load."""
+    """What the UI talks to: messages in, `ReplyEvent`s out. `loader(model, quant)` returns a
+    `core.factory.Loaded` (engine and tuner); launch.py supplies it so the service can switch
+    models without knowing how they load. Without a tuner the engine's drafter is used as is."""
 
-    def __init__(self, engine, loader: Callable | None = None):
+    def __init__(self, engine, loader: Callable | None = None, tuner=None, probe: Probe | None = None):
         self.engine = engine
+        self.tuner = tuner
         self.loader = loader
+        self.probe = probe or Probe(None)
+        self.answers: list[ReplyStats] = []  # final stats of every answer since start, for the monitor's plot
         self.default_system_prompt = ""
+        # One answer or model load at a time: the page and the HTTP API share this engine.
+        self.busy = threading.Lock()
 
     @property
     def label(self) -> str:
         return f"{self.engine.target.label} · {self.engine.drafter.name}"
 
+    @property
+    def model_name(self) -> str:
+        return self.engine.target.name
+
     def load_model(self, model: str, quant: str) -> str:
         if self.loader is None:
             raise RuntimeError("this ChatService was built without a model loader")
-        self.engine.reset()  # free the KV cache first; the old weights stay until the new model loads
-        self.engine = self.loader(model.strip() or None, quant)
+        with self.busy:
+            self.engine.reset()  # free the KV cache first; the old weights stay until the new model loads
+            loaded = self.loader(model.strip() or None, quant)
+            self.engine, self.tuner = loaded.engine, loaded.tuner
         return self.label
 
     def reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
               stop_strings: tuple[str, ...], cancel: threading.Event) -> Iterator[ReplyEvent]:
+        """Waits while another answer runs; a reply cancelled while waiting yields nothing."""
+        while not self.busy.acquire(timeout=0.1):
+            if cancel.is_set():
+                return
+        try:
+            yield from self._reply(messages, system_prompt, sampling, stop_strings, cancel)
+        finally:
+            # A generator may be closed from another thread than the one that started it:
+            # a plain Lock, unlike an RLock, can be released there.
+            self.busy.release()
+
+    def _reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
+               stop_strings: tuple[str, ...], cancel: threading.Event) -> Iterator[ReplyEvent]:
         engine, tokenizer = self.engine, self.engine.target.tokenizer
         budget = engine.target.context_len - min(sampling.max_new_tokens, engine.target.context_len // 2)
         fitted = fit_context(tokenizer, messages, system_prompt, budget)
         notice = (f"Dropped the {fitted.dropped_turns} oldest turn(s) to fit the model's context."
                   if fitted.dropped_turns else None)
         detok, stops = IncrementalDetokenizer(tokenizer), StopMatcher(stop_strings)
-        stats, t0 = ReplyStats(strategy=engine.drafter.name), time.perf_counter()
-        steps = engine.generate(fitted.ids, sampling, cancel)
+        plan = self.tuner.prepare(engine, len(fitted.ids)) if self.tuner else None
+        stats = ReplyStats(strategy=engine.drafter.name, prompt_tokens=len(fitted.ids),
+                           tuning=plan.reason if plan else "")
+        steps, t0 = engine.generate(fitted.ids, sampling, cancel), time.perf_counter()
         try:
             for step in steps:
-                stats = replace(stats, new_tokens=stats.new_tokens + len(step.new_ids),
-                                elapsed_s=time.perf_counter() - t0, target_steps=stats.target_steps + 1,
-                                drafted=stats.drafted + step.drafted, accepted=stats.accepted + step.accepted)
+                stats = self._account(stats, step, time.perf_counter() - t0)
                 text, hit_stop = stops.push(detok.push(step.new_ids))
                 finish = "stop" if hit_stop else step.finish
                 if finish and not hit_stop:
@@ -136,3 +164,31 @@ class ChatService:
             yield ReplyEvent(stops.flush(), stats, notice, "cancelled")
         finally:
             steps.close()  # frees the engine now, not when the generator is collected
+            if stats.new_tokens:
+                self.answers.append(stats)
+            if self.tuner is not None:
+                self.tuner.end_turn(Turn(stats.strategy, stats.round_tokens, stats.round_s,
+                                         stats.prompt_tokens + stats.new_tokens / 2))
+
+    def monitor(self) -> Snapshot:
+        """Memory by role, RAM and CPU now; safe to call while an answer streams."""
+        return snapshot(self.probe, self.engine)
+
+    @property
+    def tuning(self) -> str:
+        """What the tuner would choose for a new short chat, and why."""
+        return self.tuner.plan(self.tuner.profile.contexts[0]).reason if self.tuner else ""
+
+    def _account(self, stats: ReplyStats, step, elapsed_s: float) -> ReplyStats:
+        """Add one engine step to the running stats (and teach the tuner). Step 0 is the prefill;
+        the rounds after it are what the speedup gauge compares with plain decoding."""
+        stats = replace(stats, new_tokens=stats.new_tokens + len(step.new_ids), elapsed_s=elapsed_s,
+                        target_steps=stats.target_steps + 1, drafted=stats.drafted + step.drafted,
+                        accepted=stats.accepted + step.accepted)
+        if stats.target_steps == 1 or self.tuner is None:
+            return stats
+        self.tuner.observe_round(stats.strategy, step.offers)
+        context = stats.prompt_tokens + stats.new_tokens / 2
+        return replace(stats, round_tokens=stats.round_tokens + len(step.new_ids),
+                       round_s=stats.round_s + step.draft_s + step.verify_s + step.commit_s,
+                       plain_ms=self.tuner.profile.plain_ms(context))

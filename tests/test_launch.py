@@ -5,6 +5,8 @@ import importlib.util
 import socket
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -57,3 +59,39 @@ def test_setup_installs_only_the_groups_the_stamp_lacks(tmp_path, monkeypatch):
     calls.clear()
     launch.ensure_environment(())          # back to the app: the test extras do not force a reinstall
     assert calls == []
+
+
+def test_windows_with_an_nvidia_gpu_gets_a_cuda_torch_within_the_pinned_range():
+    launch = load_launcher()
+    deps = launch.pyproject_lists()["dependencies"]
+    pinned = next(d for d in deps if d.startswith("torch>") or d.startswith("torch="))
+    args = launch.cuda_torch_args(deps, windows=True, nvidia=True)
+    assert args == ["--upgrade", pinned, "--index-url", "https://download.pytorch.org/whl/cu128"]
+    assert launch.cuda_torch_args(["torchvision>=0.1", "torch>=2.6,<2.14"], True, True)[1:-2] == ["torch>=2.6,<2.14"]
+    for windows, nvidia in ((True, False), (False, True), (False, False)):  # PyPI's torch fits these
+        assert launch.cuda_torch_args(deps, windows, nvidia) == []
+
+
+def test_the_cuda_torch_is_installed_before_the_other_dependencies(tmp_path, monkeypatch):
+    launch = load_launcher()
+    calls = []
+    cuda = ["--upgrade", "torch>=2.6,<2.14", "--index-url", launch.TORCH_CUDA_INDEX]
+    monkeypatch.setattr(launch, "cuda_torch_args", lambda deps, windows, nvidia: cuda)
+    monkeypatch.setattr(launch, "STAMP", tmp_path / "stamp.json")
+    monkeypatch.setattr(launch, "venv_python", lambda: Path(launch.sys.executable))
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd: calls.append(cmd) or type("R", (), {"returncode": 0}))
+    launch.ensure_environment(())
+    assert [c[-len(cuda):] == cuda for c in calls] == [True, False, False]
+    assert any(d.startswith("transformers") for d in calls[1])
+
+
+def test_api_key_is_required_beyond_this_machine():
+    launch = load_launcher()
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert launch.api_key(host, None, {}) is None
+        assert launch.api_key(host, "k1", {}) == "k1"                          # given on localhost: checked too
+    assert launch.api_key("0.0.0.0", None, {"AERIE_API_KEY": "k2"}) == "k2"
+    assert launch.api_key("0.0.0.0", "k1", {"AERIE_API_KEY": "k2"}) == "k1"   # the flag wins
+    for host, given in (("0.0.0.0", None), ("192.168.1.5", None), ("127.0.0.1", "  ")):
+        with pytest.raises(ValueError, match="--api-key KEY or (the )?AERIE_API_KEY"):
+            launch.api_key(host, given, {})

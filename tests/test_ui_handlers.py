@@ -292,13 +292,15 @@ def test_take_message_and_controls():
     assert all(u.get("interactive", True) for u in handlers.controls("idle"))
 
 
-def test_build_ui_constructs_and_wires_the_request():
+def test_build_ui_constructs_and_wires_the_request(tmp_path):
+    from app.store import ChatStore
     from app.ui import UiDefaults, bind, build_ui, launch_options
 
-    demo = build_ui(FakeService(), UiDefaults(sampling=SamplingConfig(temperature=0.7, seed=3), model="m"))
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    demo = build_ui(FakeService(), UiDefaults(sampling=SamplingConfig(temperature=0.7, seed=3), model="m"), store=store)
     assert isinstance(demo, gr.Blocks)
     assert {"respond", "regenerate", "stop", "load_model"} <= {f.api_name for f in demo.fns.values()}
-    assert isinstance(build_ui(FakeService(), {"quant": "none"}), gr.Blocks)
+    assert isinstance(build_ui(FakeService(), {"quant": "none"}, store=store), gr.Blocks)
     assert "#aerie-stats" in launch_options()["css"]
     # Gradio injects gr.Request only into parameters it can see typed as such.
     from gradio.helpers import special_args

@@ -1,0 +1,231 @@
+"""The Chats panel: which saved chat the page shows, and answers written into the store as they stream.
+
+The chat list (a gr.Radio) is the page's only chat state: its value is the id of the chat shown,
+None for a new chat. A new chat is stored when its first message is sent, so "New chat" leaves
+no empty chats behind. The store, not the page, holds what a chat says: answers start from the
+stored messages, so a tab showing an older copy of a chat cannot erase what another tab added.
+
+Every `view` is the tuple (chat list, chatbot, stats line, title box), the outputs ui.py wires.
+"""
+
+import logging
+import math
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from app import handlers
+from app.handlers import Cancels, Chat
+from app.store import ChatNotFoundError, ChatStore, StoreError
+
+log = logging.getLogger(__name__)
+
+# While an answer streams it is saved at most this often (and always when it ends, stops or
+# fails): killing the app loses at most the text shown in the last half second.
+SAVE_EVERY_S = 0.5
+EXPORTS = {"json": (ChatStore.export_json, ".json"), "markdown": (ChatStore.export_markdown, ".md")}
+
+
+class _Recorder:
+    """Saves what the page shows of one chat into the store, throttled to SAVE_EVERY_S: the
+    newest unsaved state waits for the next offer or for flush(). A store failure is told once;
+    the answer goes on, unsaved."""
+
+    def __init__(self, store: ChatStore, chat_id: int, new: bool = False):
+        self.store, self.chat_id, self.new = store, chat_id, new  # new: created for this answer
+        self.pending: Chat | None = None
+        self.saved_at = -math.inf
+        self.failed = False
+
+    def offer(self, chat: Chat) -> None:
+        self.pending = chat
+        if time.monotonic() - self.saved_at >= SAVE_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending is None or self.failed:
+            return
+        chat, self.pending = self.pending, None
+        try:
+            self.store.sync(self.chat_id, chat)
+        except StoreError as exc:
+            self.failed = True
+            _unsaved(exc)
+        self.saved_at = time.monotonic()
+
+
+def _unsaved(exc: StoreError) -> None:
+    log.warning("Chat not saved: %s", exc)
+    handlers.toast("warning", f"{exc} This chat is not being saved.")
+
+
+def _history(store: ChatStore, chat_id: int) -> Chat:
+    return [{"role": m.role, "content": m.content} for m in store.messages(chat_id)]
+
+
+def _list(store: ChatStore, chat_id: int | None) -> dict:
+    """The chat list, newest first, with `chat_id` selected."""
+    return gr.update(choices=[(c.title, c.id) for c in store.chats()], value=chat_id)
+
+
+def _view(store: ChatStore, chat_id: int | None) -> tuple:
+    if chat_id is None:
+        return _list(store, None), [], "", ""
+    title, history = store.chat(chat_id).title, _history(store, chat_id)
+    return _list(store, chat_id), history, "", title
+
+
+def _skip_view() -> tuple:
+    return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+
+
+# ---------------------------------------------------------------- answering into a chat
+
+
+def _open(store: ChatStore, chat_id: int | None, page_history: Any, create: bool) -> tuple[_Recorder | None, Any]:
+    """The recorder for the chat an answer goes into (a new chat is created when `create`) and
+    the history to answer from. If the store fails, the answer still comes from the page's
+    history, unsaved, and the user is told."""
+    try:
+        if chat_id is None:
+            return (_Recorder(store, store.create_chat().id, new=True) if create else None), page_history
+        return _Recorder(store, chat_id), _history(store, chat_id)
+    except StoreError as exc:
+        _unsaved(exc)
+        return None, page_history
+
+
+def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator) -> Iterator[tuple]:
+    """The (chat, stats) updates of `stream`, each saved as it passes, plus the chat list and
+    title box: sent with the first update (a new chat appears with its title, an old one moves
+    to the top), skipped after."""
+    listed = recorder is None
+    try:
+        for chat, stats in stream:
+            if recorder is not None and isinstance(chat, list):
+                recorder.offer(chat)
+            chat_list = title = gr.skip()
+            if not listed:
+                listed = True
+                try:
+                    chat_list = _list(store, recorder.chat_id)
+                    title = store.chat(recorder.chat_id).title if recorder.new else title
+                except StoreError as exc:
+                    _unsaved(exc)
+            yield chat, stats, chat_list, title
+    finally:
+        stream.close()  # a closed page: stop the engine first, then save what was shown
+        if recorder is not None:
+            recorder.flush()
+
+
+def respond(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | None, message: Any, history: Any,
+            system_prompt: str, temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any,
+            stop_text: Any, request: gr.Request | None = None) -> Iterator[tuple]:
+    """handlers.respond into chat `chat_id` (None: a new chat), saved as it streams;
+    yields (chat, stats, chat list, title box)."""
+    if not handlers.content_text(message).strip():
+        yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return
+    recorder, history = _open(store, chat_id, history, create=True)
+    settings = (system_prompt, temperature, top_p, top_k, seed, max_new_tokens, stop_text)
+    yield from _recorded(store, recorder, handlers.respond(service, cancels, message, history, *settings,
+                                                           request=request))
+
+
+def regenerate(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | None, history: Any,
+               system_prompt: str, temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any,
+               stop_text: Any, request: gr.Request | None = None) -> Iterator[tuple]:
+    """handlers.regenerate in chat `chat_id`, the new answer saved over the old as it streams."""
+    recorder, history = _open(store, chat_id, history, create=False)
+    settings = (system_prompt, temperature, top_p, top_k, seed, max_new_tokens, stop_text)
+    yield from _recorded(store, recorder, handlers.regenerate(service, cancels, history, *settings,
+                                                              request=request))
+
+
+def controls(mode: str) -> tuple[dict, dict, dict]:
+    """Updates for (chat list, New chat, Delete): locked while an answer streams, because the
+    answer is written into the chat it started in and the page would show it over another."""
+    return tuple(gr.update(interactive=mode == "idle") for _ in range(3))
+
+
+# ---------------------------------------------------------------- the panel's actions
+
+
+def open_latest(store: ChatStore) -> tuple:
+    """Page load: the most recently changed chat, so that a reload shows where the user was."""
+    try:
+        latest = store.chats()[:1]
+        return _view(store, latest[0].id if latest else None)
+    except StoreError as exc:
+        handlers.report(exc, "open the saved chats")
+        return _skip_view()
+
+
+def switch(store: ChatStore, chat_id: int | None) -> tuple:
+    """Show the chat picked in the list."""
+    try:
+        return _view(store, chat_id)
+    except ChatNotFoundError as exc:
+        handlers.report(exc, "open the chat")
+        return _view(store, None)
+    except StoreError as exc:
+        handlers.report(exc, "open the chat")
+        return _skip_view()
+
+
+def new_chat(store: ChatStore) -> tuple:
+    """An empty page; the chat is stored with its first message. The chat shown before stays in the list."""
+    try:
+        return _view(store, None)
+    except StoreError as exc:
+        handlers.report(exc, "list the saved chats")
+        return gr.update(value=None), [], "", ""
+
+
+def rename(store: ChatStore, chat_id: int | None, title: str) -> tuple[dict, str]:
+    """-> (chat list, title box)."""
+    if chat_id is None:
+        handlers.toast("info", "A new chat is saved with its first message; rename it after that.")
+        return gr.skip(), ""
+    try:
+        info = store.rename(chat_id, title)
+        return _list(store, chat_id), info.title
+    except StoreError as exc:
+        handlers.report(exc, "rename the chat")
+        return gr.skip(), gr.skip()
+
+
+def delete(store: ChatStore, chat_id: int | None) -> tuple:
+    """Delete the chat shown (the page asked first) and show the most recent one left."""
+    if chat_id is None:  # a new chat is not stored yet, or the user said no
+        return _skip_view()
+    try:
+        store.delete(chat_id)
+        left = store.chats()[:1]
+        return _view(store, left[0].id if left else None)
+    except StoreError as exc:
+        handlers.report(exc, "delete the chat")
+        return _skip_view()
+
+
+def export(store: ChatStore, fmt: str, chat_id: int | None) -> dict:
+    """Write the chat shown as a JSON or Markdown file and offer it for download."""
+    if chat_id is None:
+        handlers.toast("info", "There is nothing to export yet: send a message first.")
+        return gr.skip()
+    write, suffix = EXPORTS[fmt]
+    try:
+        text = write(store, chat_id)
+        name = re.sub(r"[^\w-]+", "-", store.chat(chat_id).title).strip("-")[:60] or "chat"
+        path = Path(tempfile.mkdtemp(prefix="aerie-export-")) / f"{name}{suffix}"
+        path.write_text(text, encoding="utf-8")
+    except (StoreError, OSError) as exc:
+        handlers.report(exc, "export the chat")
+        return gr.skip()
+    return gr.update(value=str(path), visible=True)

@@ -1,0 +1,253 @@
+"""The Chats panel (app/chats.py): answers saved as they stream, and the list's actions, with the
+scripted FakeService of test_ui_handlers and a store in tmp_path."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gradio as gr
+import pytest
+
+from app import chats
+from app.handlers import Cancels
+from app.store import ChatStore, StoreError
+from tests.test_ui_handlers import SETTINGS, FakeService, session, toasts  # noqa: F401 - toasts is a fixture
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ChatStore(tmp_path / "chats.sqlite3")
+
+
+def stored(store, chat_id):
+    return [{"role": m.role, "content": m.content} for m in store.messages(chat_id)]
+
+
+def say(store, service, chat_id, message, history=(), cancels=None):
+    return list(chats.respond(store, service, cancels or Cancels(), chat_id, message, list(history), *SETTINGS,
+                              request=session()))
+
+
+def choices(update):
+    return [(label, value) for label, value in update["choices"]]
+
+
+def test_a_first_message_creates_the_chat_and_lists_it(store):
+    outputs = say(store, FakeService(), None, "Plan a trip to Lisbon")
+    (chat,) = store.chats()
+    assert chat.title == "Plan a trip to Lisbon"
+    first_list = outputs[0][2]
+    assert choices(first_list) == [("Plan a trip to Lisbon", chat.id)] and first_list["value"] == chat.id
+    assert outputs[0][3] == "Plan a trip to Lisbon"  # the title box of the new chat
+    assert all(o[2] == o[3] == gr.skip() for o in outputs[1:])  # sent once, skipped later
+    assert stored(store, chat.id) == outputs[-1][0] == [
+        {"role": "user", "content": "Plan a trip to Lisbon"}, {"role": "assistant", "content": "Hello there, friend."}]
+
+
+def test_answers_start_from_the_stored_chat_not_the_page(store):
+    chat = store.create_chat()
+    store.sync(chat.id, [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1 (other tab)"}])
+    service = FakeService(words=("A2",))
+    stale_page = [{"role": "user", "content": "Q1"}]
+    outputs = say(store, service, chat.id, "Q2", stale_page)
+    assert service.calls[0].messages[:2] == [{"role": "user", "content": "Q1"},
+                                            {"role": "assistant", "content": "A1 (other tab)"}]
+    assert [m["content"] for m in stored(store, chat.id)] == ["Q1", "A1 (other tab)", "Q2", "A2"]
+    assert outputs[-1][0] == stored(store, chat.id)
+    assert outputs[0][3] == gr.skip()  # an existing chat keeps the title box as the user left it
+
+
+def test_an_empty_message_stores_nothing(store):
+    outputs = say(store, FakeService(), None, "   ")
+    assert len(outputs) == 1 and store.chats() == []
+
+
+def test_stop_keeps_the_partial_answer_in_the_store(store):
+    service, cancels = FakeService(), Cancels()
+    stream = chats.respond(store, service, cancels, None, "Hi", [], *SETTINGS, request=session("me"))
+    next(stream), next(stream), next(stream)  # the user's turn, "Hello", "Hello there"
+    cancels.cancel("me")
+    last = list(stream)[-1]
+    (chat,) = store.chats()
+    assert last[0][-1] == {"role": "assistant", "content": "Hello there"}
+    assert stored(store, chat.id) == last[0]
+
+
+def test_a_failed_answer_is_stored_as_the_page_shows_it(store, toasts):
+    chat = store.create_chat()
+    store.sync(chat.id, [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}])
+    service = FakeService(fail_at=3, error=RuntimeError("boom"))
+    outputs = say(store, service, chat.id, "Q2")
+    assert stored(store, chat.id) == outputs[-1][0] == [
+        {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]
+    assert toasts[-1][0] == "warning"
+
+
+def test_while_streaming_saves_are_throttled_and_the_last_state_is_flushed(store, monkeypatch):
+    monkeypatch.setattr(chats, "SAVE_EVERY_S", 3600.0)
+    stream = chats.respond(store, FakeService(), Cancels(), None, "Hi", [], *SETTINGS, request=session())
+    shown = [next(stream) for _ in range(4)]  # the user's turn, then "Hello", "Hello there", "Hello there,"
+    (chat,) = store.chats()
+    assert stored(store, chat.id) == [{"role": "user", "content": "Hi"}]  # the first save is at once
+    stream.close()  # the page went away mid-answer
+    assert stored(store, chat.id) == shown[-1][0]
+
+
+def test_a_killed_app_keeps_what_was_shown_before_the_last_save_interval(store, monkeypatch):
+    monkeypatch.setattr(chats, "SAVE_EVERY_S", 0.0)
+    stream = chats.respond(store, FakeService(), Cancels(), None, "Hi", [], *SETTINGS, request=session())
+    shown = [next(stream) for _ in range(3)]
+    # A kill runs no `finally`: only what was saved while streaming is there when the app restarts.
+    again = ChatStore(store.path)
+    (chat,) = again.chats()
+    assert stored(again, chat.id) == shown[-1][0] == [{"role": "user", "content": "Hi"},
+                                                      {"role": "assistant", "content": "Hello there"}]
+    del stream
+
+
+CHILD = """
+import sys, time
+from app import chats
+from app.handlers import Cancels
+from app.store import ChatStore
+from core.config import ReplyEvent, ReplyStats
+
+class Slow:
+    def reply(self, messages, system_prompt, sampling, stops, cancel):
+        for i in range(100000):
+            time.sleep(0.01)
+            yield ReplyEvent(f" w{i}", ReplyStats(new_tokens=i + 1, elapsed_s=1.0, target_steps=i + 1))
+
+store = ChatStore(sys.argv[1])
+settings = ("", 0.0, 1.0, 0, -1, 100000, "")
+for chat, *_ in chats.respond(store, Slow(), Cancels(), None, "Tell me a story", [], *settings):
+    print(time.monotonic(), len(chat[-1]["content"].split()) if chat[-1]["role"] == "assistant" else 0, flush=True)
+"""
+
+
+def test_killing_the_app_mid_answer_keeps_what_was_shown(tmp_path):
+    """A real process, killed with SIGKILL while it streams: the store keeps every word the page had
+    shown more than SAVE_EVERY_S (plus slack for a busy machine) before the kill."""
+    path = tmp_path / "chats.sqlite3"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    shown = []  # (when, words shown)
+    try:
+        while not shown or shown[-1][0] - shown[0][0] < 2.0:
+            line = child.stdout.readline()
+            assert line, "the child stopped early"
+            shown.append(tuple(map(float, line.split())))
+        killed_at = time.monotonic()
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    safe = max(words for when, words in shown if when <= killed_at - chats.SAVE_EVERY_S - 0.5)
+    store = ChatStore(path)
+    (chat,) = store.chats()
+    user, answer = store.messages(chat.id)
+    assert user.content == "Tell me a story" and safe > 0
+    assert len(answer.content.split()) >= safe
+
+
+def test_regenerate_replaces_the_stored_answer(store):
+    chat = store.create_chat()
+    store.sync(chat.id, [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "old"}])
+    outputs = list(chats.regenerate(store, FakeService(words=("new",)), Cancels(), chat.id, [], *SETTINGS,
+                                    request=session()))
+    assert stored(store, chat.id) == outputs[-1][0] == [{"role": "user", "content": "Q"},
+                                                       {"role": "assistant", "content": "new"}]
+
+
+def test_a_failing_store_warns_once_and_the_answer_still_streams(store, toasts, monkeypatch):
+    def broken(*args):
+        raise StoreError("The saved chats in /x could not be written: disk I/O error.")
+
+    monkeypatch.setattr(store, "sync", broken)
+    monkeypatch.setattr(chats, "SAVE_EVERY_S", 0.0)
+    outputs = say(store, FakeService(), None, "Hi")
+    assert outputs[-1][0][-1] == {"role": "assistant", "content": "Hello there, friend."}
+    warnings = [t for t in toasts if t[0] == "warning"]
+    assert len(warnings) == 1 and warnings[0][1].endswith("This chat is not being saved.")
+
+
+def test_open_latest_shows_the_most_recently_changed_chat(store):
+    assert chats.open_latest(store)[1:] == ([], "", "")
+    older, newer = store.create_chat(), store.create_chat()
+    store.sync(newer.id, [{"role": "user", "content": "newer"}])
+    store.sync(older.id, [{"role": "user", "content": "older, but touched last"}])
+    chat_list, history, stats, title = chats.open_latest(store)
+    assert chat_list["value"] == older.id and [c[1] for c in choices(chat_list)] == [older.id, newer.id]
+    assert history == [{"role": "user", "content": "older, but touched last"}] and title == "older, but touched last"
+
+
+def test_switch_loads_the_picked_chat(store, toasts):
+    a, b = store.create_chat("A"), store.create_chat("B")
+    store.sync(a.id, [{"role": "user", "content": "in A"}, {"role": "assistant", "content": "reply A"}])
+    chat_list, history, stats, title = chats.switch(store, a.id)
+    assert chat_list["value"] == a.id and history[1] == {"role": "assistant", "content": "reply A"}
+    assert title == "A" and stats == ""
+    store.delete(b.id)  # e.g. from another tab
+    chat_list, history, _, title = chats.switch(store, b.id)
+    assert chat_list["value"] is None and history == [] and "no longer exists" in toasts[-1][1]
+    assert [c[1] for c in choices(chat_list)] == [a.id]
+
+
+def test_new_chat_stores_nothing_until_the_first_message(store):
+    old = store.create_chat("kept")
+    chat_list, history, stats, title = chats.new_chat(store)
+    assert chat_list["value"] is None and history == [] and title == ""
+    assert [c.id for c in store.chats()] == [old.id]
+
+
+def test_rename(store, toasts):
+    chat = store.create_chat()
+    store.sync(chat.id, [{"role": "user", "content": "hi"}])
+    chat_list, title = chats.rename(store, chat.id, "  Greetings ")
+    assert title == "Greetings" and choices(chat_list) == [("Greetings", chat.id)]
+    assert chats.rename(store, chat.id, "") == (gr.skip(), gr.skip()) and "needs a title" in toasts[-1][1]
+    assert store.chat(chat.id).title == "Greetings"
+    chats.rename(store, None, "x")
+    assert toasts[-1][0] == "info" and len(store.chats()) == 1
+
+
+def test_delete_switches_to_the_most_recent_chat_left(store):
+    first, second = store.create_chat("first"), store.create_chat("second")
+    store.sync(first.id, [{"role": "user", "content": "in first"}])
+    chat_list, history, _, title = chats.delete(store, first.id)
+    assert chat_list["value"] == second.id and title == "second" and history == []
+    assert [c.id for c in store.chats()] == [second.id]
+    chat_list, history, _, title = chats.delete(store, second.id)
+    assert chat_list["value"] is None and choices(chat_list) == [] and store.chats() == []
+    assert chats.delete(store, None) == (gr.skip(),) * 4  # declined, or a chat not yet saved
+
+
+def test_export_writes_downloadable_files(store, toasts):
+    chat = store.create_chat("Trip: Lisbon/Porto?")
+    store.sync(chat.id, [{"role": "user", "content": "Plan it"}, {"role": "assistant", "content": "Day 1"}])
+    as_json = chats.export(store, "json", chat.id)
+    path = Path(as_json["value"])
+    assert as_json["visible"] is True and path.name == "Trip-Lisbon-Porto.json"
+    assert json.loads(path.read_text(encoding="utf-8"))["messages"][1]["content"] == "Day 1"
+    as_md = Path(chats.export(store, "markdown", chat.id)["value"])
+    assert as_md.suffix == ".md" and as_md.read_text(encoding="utf-8").startswith("# Trip: Lisbon/Porto?")
+    assert chats.export(store, "json", None) == gr.skip() and toasts[-1][0] == "info"
+
+
+def test_controls_lock_the_list_while_answering():
+    assert all(u["interactive"] is False for u in chats.controls("answering"))
+    assert all(u["interactive"] is True for u in chats.controls("idle"))
+
+
+def test_build_ui_wires_the_chats_panel(store):
+    from app.ui import build_ui
+
+    demo = build_ui(FakeService(), store=store)
+    names = {fn.name for fn in demo.fns.values()}
+    assert {"open_latest", "switch", "new_chat", "rename", "delete", "export", "respond", "regenerate"} <= names
+    respond = next(fn for fn in demo.fns.values() if fn.api_name == "respond")
+    assert respond.name == "respond" and len(respond.outputs) == 4  # chat, stats, the chat list and title
