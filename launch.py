@@ -304,27 +304,31 @@ def run_app(args: argparse.Namespace) -> None:
     from app.store import ChatStore, default_store_path
     from app.ui import build_ui, launch_options
     from core.chat import ChatService
+    from core.config import ModelChoice
     from core.errors import AerieError
     from core.factory import load_tuned
     from core.probe import Probe, load_nvml
 
     probe = Probe(load_nvml())  # one NVML session for placement and the monitor
 
-    def loader(model: str | None, quant: str | None):
-        # A head is made for one target: another model from the page starts without it.
-        same = model == args.model
-        head = args.head if same and args.head else default_head(model)
-        return load_tuned(engine_spec(args, model=model, quant=quant, head=head,
+    def loader(choice: ModelChoice):
+        # A head is made for one target: another model from the page gets its own default head,
+        # and the command line's --strategy applies only to the model it named.
+        same = choice.model == args.model
+        head = choice.head if choice.head is not None else (args.head if same and args.head else default_head(choice.model))
+        return load_tuned(engine_spec(args, model=choice.model, quant=choice.quant, head=head or None,
                                       strategy=args.strategy if same else "auto"), probe)
 
     try:
         store = ChatStore(default_store_path())  # before the model: a store that cannot open fails fast
-        loaded = loader(args.model, args.quant)
-        service = ChatService(loaded.engine, loader, loaded.tuner, probe)
+        choice = ModelChoice(args.model, args.quant, args.head)
+        loaded = loader(choice)
+        service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir)
     except AerieError as e:
         fail(e)
     port = free_port(args.host, args.port)
-    demo = build_ui(service, {"model": args.model or "", "quant": service.engine.target.quant}, store=store)
+    demo = build_ui(service, {"model": args.model or "", "quant": service.engine.target.quant,
+                              "head": args.head or ""}, store=store)
     # The OpenAI-compatible routes join Gradio's own FastAPI app: one server, one port.
     demo.launch(server_name=args.host, server_port=port, inbrowser=not args.no_browser, prevent_thread_lock=True,
                 app_kwargs={"routes": api_routes(service, key)}, **launch_options())

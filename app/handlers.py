@@ -19,7 +19,6 @@ from core.errors import AerieError
 
 log = logging.getLogger(__name__)
 
-QUANTS = ("nf4", "none")
 FINISH_LABELS = {"stop": "stop string", "length": "max tokens reached", "cancelled": "stopped", "error": "failed"}
 STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "eagle": "EAGLE"}
 Chat = list[dict[str, str]]
@@ -295,31 +294,3 @@ def clear(cancels: Cancels, request: gr.Request | None = None) -> tuple:
     """Empty the chat and the stats line; a reply still running is stopped, the page unlocked."""
     cancels.cancel(session_key(request), discard=True)
     return ([], "", *controls("idle"))
-
-
-def begin_load() -> tuple:
-    """First step of Load model (unqueued): lock the page and say what is happening."""
-    return (*controls("loading"), "Loading the model…")
-
-
-def load_model(service: Any, model: Any, quant: Any, system_prompt: str) -> tuple[str, str, str]:
-    """Load another model; returns (header, status line, system prompt). On failure all three
-    stay as they were. The system prompt follows the new model's default unless the user edited it."""
-    old_default = service.default_system_prompt
-    try:
-        model = str(model or "").strip()
-        if not model:
-            raise SettingsError("Enter a Hugging Face model id or a local folder.")
-        if quant not in QUANTS:
-            raise SettingsError(f"Quantization must be one of {', '.join(QUANTS)}, got {quant!r}.")
-        label = service.load_model(model, quant)
-    except Exception as exc:  # noqa: BLE001 - as in _answer
-        report(exc, "load the model")
-        return header(service.label), model_status(service.label), system_prompt
-    toast("info", f"Loaded {label}")
-    prompt = service.default_system_prompt if system_prompt == old_default else system_prompt
-    return header(label), model_status(label), prompt
-
-
-def model_status(label: str) -> str:
-    return f"Current: {html.escape(label)}"

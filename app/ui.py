@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import chats, handlers, monitor
+from app import chats, handlers, model_panel, monitor
 from app.store import ChatStore
 from core.config import SamplingConfig
 
@@ -35,7 +35,8 @@ class UiDefaults:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
     model: str = ""      # prefilled in the Model box, e.g. the model that launch.py loaded
-    quant: str = "nf4"   # one of handlers.QUANTS
+    quant: str = "nf4"   # one of model_panel.QUANTS
+    head: str = ""       # prefilled in the head box; empty = the model's default head
 
 
 def launch_options() -> dict[str, Any]:
@@ -90,13 +91,20 @@ def _settings_panel(service: Any, d: UiDefaults) -> list[gr.Component]:
 
 
 def _model_panel(service: Any, d: UiDefaults) -> SimpleNamespace:
+    """Target, head and quantization (app/model_panel.py)."""
     with gr.Accordion("Model", open=False):
-        model = gr.Textbox(d.model, label="Model", placeholder="Hugging Face id or local folder")
-        quant = gr.Dropdown(list(handlers.QUANTS), value=d.quant, label="Quantization",
-                            info="nf4 = 4-bit weights (bitsandbytes); none = full precision")
-        load = gr.Button("Load model", variant="secondary")
-        status = gr.Markdown(lambda: handlers.model_status(service.label), elem_classes="aerie-muted")
-    return SimpleNamespace(model=model, quant=quant, load=load, status=status)
+        model = gr.Textbox(d.model, label="Model", placeholder="Hugging Face id or local folder; empty = embedded")
+        head = gr.Textbox(d.head, label="EAGLE head", placeholder="default",
+                          info="A SafeAILab head's Hub id or a folder (one Aerie trained works too); "
+                               "empty or 'default' = the model's shipped head, 'none' = prompt lookup")
+        quant = gr.Dropdown(list(model_panel.QUANTS), value=d.quant, label="Quantization",
+                            info="nf4 = 4-bit weights (bitsandbytes, CUDA); none = full precision")
+        with gr.Row():
+            load = gr.Button("Load model", variant="secondary")
+            cancel = gr.Button("Cancel", variant="stop", visible=False)
+        status = gr.Markdown(lambda: model_panel.model_status(service.label), elem_classes="aerie-muted",
+                             elem_id="aerie-model-status")
+    return SimpleNamespace(model=model, head=head, quant=quant, load=load, cancel_load=cancel, status=status)
 
 
 def _chat_panel() -> SimpleNamespace:
@@ -184,11 +192,20 @@ def _wire(service: Any, store: ChatStore, cancels: handlers.Cancels, p: SimpleNa
     p.chatbot.clear(bind(handlers.clear, cancels), outputs=[p.chatbot, p.stats, *lock],
                     cancels=[respond, regenerate], api_name="clear", queue=False)
     system = p.settings[0]
-    p.load.click(handlers.begin_load, outputs=[*lock, p.status], **quick
-                 ).then(bind(handlers.load_model, service), inputs=[p.model, p.quant, system],
+    buttons = [*lock[:4], p.load, p.cancel_load]
+
+    def loading():
+        return (*handlers.controls("loading")[:4], *model_panel.begin_load())
+
+    def loaded():
+        return (*handlers.controls("idle")[:4], gr.update(visible=True, interactive=True), gr.update(visible=False))
+
+    p.load.click(loading, outputs=buttons, **quick
+                 ).then(bind(model_panel.load_model, service, p.loads), inputs=[p.model, p.head, p.quant, system],
                         outputs=[p.header, p.status, system], api_name="load_model",
                         concurrency_id=ENGINE, concurrency_limit=1
-                 ).then(unlock, outputs=lock, **quick)
+                 ).then(loaded, outputs=buttons, **quick)
+    p.cancel_load.click(bind(model_panel.cancel_load, p.loads), outputs=p.status, **quick)
     return [respond, regenerate]
 
 
@@ -225,6 +242,7 @@ def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = Non
         with gr.Column(elem_id="aerie-main"):
             header = gr.Markdown(lambda: handlers.header(service.label), elem_id="aerie-header")
             page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings,
+                                   loads=handlers.Cancels(),
                                    chats=saved)
         _wire_chats(demo, store, page, _wire(service, store, cancels, page))
         _wire_monitor(demo, service, gauges)

@@ -5,13 +5,15 @@ only ids, the UI above it knows only text and `ReplyEvent`s.
 
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from core.config import ReplyEvent, ReplyStats, SamplingConfig
+from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import AerieError, ContextOverflowError
 from core.monitor import Snapshot, snapshot
 from core.probe import Probe
+from core.switching import SwitchReport, fetch, process_bytes, release
 from core.tuner import Turn
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
@@ -94,14 +96,17 @@ class StopMatcher:
 
 
 class ChatService:
-    """What the UI talks to: messages in, `ReplyEvent`s out. `loader(model, quant)` returns a
+    """What the UI talks to: messages in, `ReplyEvent`s out. `loader(ModelChoice)` returns a
     `core.factory.Loaded` (engine and tuner); launch.py supplies it so the service can switch
     models without knowing how they load. Without a tuner the engine's drafter is used as is."""
 
-    def __init__(self, engine, loader: Callable | None = None, tuner=None, probe: Probe | None = None):
+    def __init__(self, engine, loader: Callable | None = None, tuner=None, probe: Probe | None = None,
+                 choice: ModelChoice = ModelChoice(), cache_dir: Path | None = None):
         self.engine = engine
+        self.cache_dir = cache_dir  # where Hub downloads go (cache_dir/hub), as the loader reads them
         self.tuner = tuner
         self.loader = loader
+        self.choice = choice  # what `engine` was loaded from, to reload it if a switch fails
         self.probe = probe or Probe(None)
         self.answers: list[ReplyStats] = []  # final stats of every answer since start, for the monitor's plot
         self.default_system_prompt = ""
@@ -116,14 +121,31 @@ class ChatService:
     def model_name(self) -> str:
         return self.engine.target.name
 
-    def load_model(self, model: str, quant: str) -> str:
+    def fetch(self, choice: ModelChoice, report: Callable, cancelled: Callable[[], bool]) -> None:
+        """Download the Hub files `choice` needs, reporting (source, Progress); cancellable."""
+        if self.cache_dir is None:
+            raise RuntimeError("this ChatService was built without a cache folder")
+        fetch(choice, self.cache_dir, report, cancelled)
+
+    def load_model(self, choice: ModelChoice) -> SwitchReport:
+        """Free the current model, load `choice`, and measure both. On failure the previous model is
+        loaded again and the error says so. Fetch Hub files first (`fetch`) to show progress."""
         if self.loader is None:
             raise RuntimeError("this ChatService was built without a model loader")
         with self.busy:
-            self.engine.reset()  # free the KV cache first; the old weights stay until the new model loads
-            loaded = self.loader(model.strip() or None, quant)
-            self.engine, self.tuner = loaded.engine, loaded.tuner
-        return self.label
+            device = self.engine.target.device
+            before = process_bytes(device)
+            self.engine = self.tuner = None  # drop every reference to the old model before loading
+            freed_to = release(device)
+            try:
+                loaded = self.loader(choice)
+            except AerieError as e:
+                loaded = self.loader(self.choice)
+                self.engine, self.tuner = loaded.engine, loaded.tuner
+                raise type(e)(f"{e} The previous model is loaded again.") from e
+            self.engine, self.tuner, self.choice = loaded.engine, loaded.tuner, choice
+            used = process_bytes(self.engine.target.device) - (freed_to if self.engine.target.device == device else 0)
+        return SwitchReport(self.label, str(self.engine.target.device), max(before - freed_to, 0), max(used, 0))
 
     def reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
               stop_strings: tuple[str, ...], cancel: threading.Event) -> Iterator[ReplyEvent]:

@@ -88,3 +88,12 @@ class TreeConfig:
     def __post_init__(self):
         if self.depth < 0 or self.top_k < 1 or self.total_tokens < 1:
             raise ValueError(f"bad tree shape {self}")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What the user asked to load (command line or the page's Model panel)."""
+
+    model: str | None = None     # Hub id, folder, or None for the embedded default
+    quant: str | None = None     # nf4, none, or None for the device's default
+    head: str | None = None      # Hub id, folder, "random", "" for none, or None for the model's default

@@ -110,13 +110,13 @@ def make_drafter(target: Target, spec: EngineSpec):
         return PromptLookupDrafter()
     if not spec.head:
         raise UnsupportedModelError("The eagle strategy needs a head: pass --head (a Hub id, a folder, or 'random').")
-    head = load_eagle_head(target, spec.head, spec.allow_pickle)
+    head = load_eagle_head(target, spec.head, spec.allow_pickle, spec.cache_dir)
     draft_vocab = None if spec.head == "random" else load_draft_vocab(spec.head, target.model.config.get_text_config().vocab_size)
     tree = spec.tree or default_tree(target.device)
     return EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, tree, draft_vocab)
 
 
-def load_eagle_head(target: Target, source: str, allow_pickle: bool):
+def load_eagle_head(target: Target, source: str, allow_pickle: bool, cache_dir: Path | None = None):
     model = target.model
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     if source == "random":  # untrained: accepts little, but exercises the whole EAGLE path
@@ -125,4 +125,4 @@ def load_eagle_head(target: Target, source: str, allow_pickle: bool):
             head = build_head(head_config_for_target(model.config, "eagle1"), embed, lm_head)
         return head.to(device=target.device, dtype=target.dtype).eval()
     return load_head(source, model.config, embed, lm_head, allow_pickle=allow_pickle, dtype=target.dtype,
-                     device=target.device)
+                     device=target.device, cache_dir=cache_dir)

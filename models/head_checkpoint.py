@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from models.download import HEAD_PATTERNS, hub_cache
 from models.errors import HeadMismatchError, ModelLoadError, UnsupportedModelError
 from models.heads import EagleHead, HeadConfig, RopeScaling, build_head
 
@@ -64,9 +65,10 @@ def expected_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
 
 def load_head(source: str, target_config, target_embed: nn.Embedding, target_lm_head: nn.Module, *,
               allow_pickle: bool = False, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> EagleHead:
-    """Read the head at `source` (a local folder or a Hugging Face repo id) and check it fits the target."""
-    folder = _resolve(source, allow_pickle)
+              device: str | torch.device = "cpu", cache_dir: Path | None = None) -> EagleHead:
+    """Read the head at `source` (a local folder or a Hugging Face repo id, fetched into
+    `cache_dir/hub`, or huggingface_hub's own cache without one) and check it fits the target."""
+    folder = _resolve(source, allow_pickle, cache_dir)
     raw = _read_config(folder)
     state = _read_weights(folder, allow_pickle)
     config = _config_from_json(raw, **_layout(state, raw))
@@ -157,7 +159,7 @@ def head_training_record(source: str | None) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _resolve(source: str, allow_pickle: bool) -> Path:
+def _resolve(source: str, allow_pickle: bool, cache_dir: Path | None) -> Path:
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -165,11 +167,12 @@ def _resolve(source: str, allow_pickle: bool) -> Path:
         raise ModelLoadError(f"{source} is a file; pass the folder that holds the head's config.json and weights.")
     if not HUB_ID.match(source):
         raise ModelLoadError(f"The head folder {source} does not exist; pass a local folder or a Hugging Face repo id.")
-    patterns = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+    patterns = list(HEAD_PATTERNS)
     if allow_pickle:
         patterns += ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
     try:
-        return Path(snapshot_download(repo_id=source, allow_patterns=patterns))
+        hub = str(hub_cache(cache_dir)) if cache_dir is not None else None
+        return Path(snapshot_download(repo_id=source, allow_patterns=patterns, cache_dir=hub))
     except (OSError, ValueError) as err:  # hub errors are OSError; a malformed repo id is ValueError
         raise ModelLoadError(f"The head {source} could not be downloaded from the Hugging Face Hub "
                              f"({type(err).__name__}); check the name and connection, or pass a local folder.") from err

@@ -15,6 +15,7 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+from models.download import MODEL_PATTERNS, hub_cache
 from models.embedded import EMBEDDED_NAME, embedded_model_dir
 from models.errors import ModelLoadError, UnsupportedModelError
 
@@ -27,7 +28,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 QUANTS = ("nf4", "none")
-WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def download(repo_id: str, cache_dir: Path) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=WEIGHT_PATTERNS, cache_dir=cache_dir / "hub"))
+        return Path(snapshot_download(repo_id, allow_patterns=MODEL_PATTERNS, cache_dir=hub_cache(cache_dir)))
     except RepositoryNotFoundError as e:
         raise ModelLoadError(f"Hugging Face has no model '{repo_id}' (or it is gated): check the id.") from e
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:

@@ -1,0 +1,173 @@
+"""The Model panel (app/model_panel.py), cancellable downloads (models/download.py) and model
+switching in the service (core/chat.py, core/switching.py), without a network: the download's
+child process runs a stand-in worker that writes blobs the way huggingface_hub does."""
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+import torch
+
+from app import model_panel
+from app.handlers import Cancels, header
+from core.chat import ChatService
+from core.config import ModelChoice
+from core.errors import HeadMismatchError, ModelLoadError
+from core.switching import SwitchReport, fetch, is_hub_id
+from models.download import Download, Progress, repo_folder
+
+GIB = 2**30
+
+
+def slow_worker(repo_id, hub, patterns, results):
+    """Lists 4 MB, then writes 1 MB per 0.2 s into blobs/ and finishes."""
+    blobs = Path(hub) / ("models--" + repo_id.replace("/", "--")) / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    results.put(("total", 4 * 2**20))
+    for i in range(4):
+        (blobs / f"part{i}.incomplete").write_bytes(b"x" * 2**20)
+        time.sleep(0.2)
+    snap = blobs.parent / "snapshots" / "abc"
+    snap.mkdir(parents=True, exist_ok=True)
+    results.put(("done", str(snap)))
+
+
+def failing_worker(repo_id, hub, patterns, results):
+    results.put(("error", "RepositoryNotFoundError: 404"))
+
+
+def hanging_worker(repo_id, hub, patterns, results):
+    results.put(("total", 10 * GIB))
+    time.sleep(60)
+
+
+def test_download_reports_progress_and_returns_the_snapshot(tmp_path):
+    seen = []
+    path = Download("org/model", tmp_path, ["*.json"], slow_worker, poll_s=0.05).run(seen.append, lambda: False)
+    assert path.name == "abc" and seen[-1] == Progress(4 * 2**20, 4 * 2**20) and seen[-1].fraction == 1.0
+    assert any(0 < p.done < 4 * 2**20 for p in seen)  # intermediate progress was reported
+    assert [p.done for p in seen] == sorted(p.done for p in seen)
+
+
+def test_download_cancel_stops_the_child(tmp_path):
+    download = Download("org/big", tmp_path, ["*"], hanging_worker, poll_s=0.05)
+    t0 = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="Cancelled the download of org/big"):
+        download.run(lambda p: None, lambda: time.perf_counter() - t0 > 1.0)
+    assert not download.process.is_alive() and time.perf_counter() - t0 < 10
+
+
+def test_download_failure_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="Could not download org/none .*404.*local folder"):
+        Download("org/none", tmp_path, ["*"], failing_worker, poll_s=0.05).run(lambda p: None, lambda: False)
+
+
+def test_fetch_downloads_only_hub_ids(tmp_path):
+    (tmp_path / "local").mkdir()
+    assert is_hub_id("org/model") and not is_hub_id(str(tmp_path / "local")) and not is_hub_id(None)
+    assert not is_hub_id("random") and not is_hub_id("")
+    seen = []
+    fetch(ModelChoice(str(tmp_path / "local"), "none", "org/head"), tmp_path, lambda s, p: seen.append(s),
+          lambda: False, worker=slow_worker)
+    assert set(seen) == {"org/head"} and repo_folder(tmp_path, "org/head").is_dir()
+
+
+# ---------------------------------------------------------------- switching in the service
+
+
+class FakeEngine:
+    def __init__(self, name):
+        self.target = SimpleNamespace(device=torch.device("cpu"), label=f"{name} · cpu · fp32", name=name)
+        self.drafter = SimpleNamespace(name="eagle")
+
+
+def fake_loader(choice):
+    if choice.head == "bad/head":
+        raise HeadMismatchError("The head expects hidden size 4096; the target has 576.")
+    return SimpleNamespace(engine=FakeEngine(choice.model or "embedded"), tuner=None)
+
+
+def test_switch_reports_memory_and_a_failed_switch_restores_the_old_model(monkeypatch):
+    import core.chat as chat_module
+    readings = iter([5 * GIB, 2 * GIB, 3 * GIB])  # before, after freeing, after loading
+    monkeypatch.setattr(chat_module, "process_bytes", lambda device: next(readings))
+    monkeypatch.setattr(chat_module, "release", lambda device: next(readings))
+    service = ChatService(FakeEngine("old"), fake_loader, choice=ModelChoice("old", "none", None))
+    report = service.load_model(ModelChoice("new", "none", None))
+    assert report == SwitchReport("new · cpu · fp32 · eagle", "cpu", 3 * GIB, GIB)
+    readings = iter([3 * GIB, 2 * GIB])
+    with pytest.raises(HeadMismatchError, match="hidden size 4096.*previous model is loaded again"):
+        service.load_model(ModelChoice("other", "none", "bad/head"))
+    assert service.engine.target.name == "new" and service.choice.model == "new"
+
+
+# ---------------------------------------------------------------- the panel
+
+
+class PanelService:
+    def __init__(self, download_s=0.0, fail=None):
+        self.label, self.default_system_prompt = "old · cpu · fp32 · eagle", "I am old."
+        self.download_s, self.fail, self.fetched = download_s, fail, []
+
+    def fetch(self, choice, report, cancelled):
+        self.fetched.append(choice)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < self.download_s:
+            if cancelled():
+                raise ModelLoadError(f"Cancelled the download of {choice.model}; what arrived is kept for next time.")
+            report(choice.model, Progress(int((time.perf_counter() - t0) / self.download_s * GIB), GIB))
+            time.sleep(0.05)
+
+    def load_model(self, choice):
+        if self.fail:
+            raise self.fail
+        self.label, self.default_system_prompt = f"{choice.model} · cpu · {choice.quant} · eagle", "I am new."
+        return SwitchReport(self.label, "cpu", 2 * GIB, GIB // 2)
+
+
+@pytest.fixture
+def toasts(monkeypatch):
+    shown = []
+    monkeypatch.setattr(gr, "Warning", lambda message, **kw: shown.append(("warning", message)))
+    monkeypatch.setattr(gr, "Info", lambda message, **kw: shown.append(("info", message)))
+    return shown
+
+
+def test_parse_choice():
+    assert model_panel.parse_choice(" org/M ", "", "nf4") == ModelChoice("org/M", "nf4", None)
+    assert model_panel.parse_choice("", "none", "none") == ModelChoice(None, "none", "")
+    assert model_panel.parse_choice("m", "yuhuili/EAGLE3", "none").head == "yuhuili/EAGLE3"
+    with pytest.raises(Exception, match="Quantization"):
+        model_panel.parse_choice("m", "", "int3")
+
+
+def test_load_streams_download_progress_then_the_measured_switch(toasts, monkeypatch):
+    monkeypatch.setattr(model_panel, "POLL_S", 0.05)
+    service = PanelService(download_s=0.5)
+    updates = list(model_panel.load_model(service, Cancels(), "org/New", "", "none", "I am old."))
+    lines = [u[1] for u in updates]
+    assert any("Downloading org/New" in line and "of 1.00 GiB" in line for line in lines)
+    head, status, prompt = updates[-1]
+    assert "org/New · cpu · none" in head and "freed 2.00 GiB" in status and "holds 0.50 GiB" in status
+    assert prompt == "I am new." and toasts[-1][0] == "info"
+
+
+def test_cancel_stops_the_download_and_keeps_the_model(toasts, monkeypatch):
+    monkeypatch.setattr(model_panel, "POLL_S", 0.05)
+    service, loads = PanelService(download_s=30), Cancels()
+    request = SimpleNamespace(session_hash="s1")
+    updates = model_panel.load_model(service, loads, "org/Huge", "", "nf4", "mine", request)
+    next(updates)
+    assert model_panel.cancel_load(loads, request) == "Cancelling…"
+    rest = list(updates)
+    assert rest[-1] == (header("old · cpu · fp32 · eagle"), model_panel.model_status(service.label), "mine")
+    assert "Cancelled the download of org/Huge" in toasts[-1][1]
+
+
+def test_a_mismatched_head_is_explained(toasts):
+    service = PanelService(fail=HeadMismatchError("The head expects hidden size 4096; the target has 576."))
+    *_, last = model_panel.load_model(service, Cancels(), "org/New", "bad/head", "none", "p")
+    assert last[2] == "p" and "hidden size 4096" in toasts[-1][1] and toasts[-1][0] == "warning"
