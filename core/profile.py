@@ -92,6 +92,7 @@ def cached_profile(cache_dir: Path, key: dict, measure) -> tuple[LatencyProfile,
             return LatencyProfile.from_json(json.loads(path.read_text())["profile"]), True
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             print(f"Aerie: re-measuring: the stored profile {path} is unreadable ({e}).", flush=True)
+    print("Aerie: timing this machine for the draft-tree tuner (once; cached for later starts)...", flush=True)
     profile = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
