@@ -20,7 +20,7 @@ from core.chat import render_prompt
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.factory import EngineSpec, load_tuned, make_drafter
-from core.tuner import Tuner, Turn
+from core.tuner import Tuner
 from models.target import Target
 
 FILLER = "Here is some background you may ignore. "
@@ -93,6 +93,7 @@ def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None
     """One greedy answer; with a tuner, planned and learned from as the chat does, one turn per prompt."""
     engine.reset()  # no prefix reuse across prompts: every strategy pays its own prefill
     plan = tuner.prepare(engine, len(ids)) if tuner else None
+    meter = tuner.meter(engine.drafter.name, len(ids)) if tuner else None
     out, t = [], Tally(trees=Counter([shape_name(plan.tree)]) if plan and plan.tree else Counter())
     t0 = time.perf_counter()
     for i, step in enumerate(engine.generate(ids, SamplingConfig(max_new_tokens=max_new))):
@@ -104,9 +105,10 @@ def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None
             t.draft_s, t.verify_s, t.commit_s = t.draft_s + step.draft_s, t.verify_s + step.verify_s, t.commit_s + step.commit_s
             if tuner:
                 tuner.observe_round(engine.drafter.name, step.offers)
+                meter.add(step)
     t.seconds, t.tokens = time.perf_counter() - t0, len(out)
     if tuner:
-        tuner.end_turn(Turn(engine.drafter.name, len(out) - 1, t.draft_s + t.verify_s + t.commit_s, len(ids) + len(out) / 2))
+        tuner.end_turn(meter.turn())
     return out, t
 
 

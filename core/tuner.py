@@ -13,8 +13,8 @@ A shape's expected speed is E[tokens per round] / E[round time] (DESIGN.md secti
 Plain decoding costs profile.plain_ms(context) per token, so predicted speedup = speed x plain_ms.
 
 The ladder: tree -> chain -> prompt lookup -> plain. A rung is left when its measured speedup
-(tokens per second of engine time in the rounds after the prefill, times the profile's plain time
-at the turn's mean context) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, or when
+(tokens per second of engine time in the rounds after the prefill, times plain decoding's time
+per token: see `Meter`) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, or when
 the model predicts the EAGLE rung cannot beat plain decoding. The user's pins (strategy, depth,
 top_k, total_tokens, a static tree) are never overridden.
 """
@@ -63,7 +63,41 @@ class Turn:
     strategy: str
     tokens: int          # tokens committed by the rounds after the prefill
     engine_s: float      # those rounds' draft + verify + commit time
-    context: float       # mean context length over the turn
+    plain_ms: float      # plain decoding's time per token then (Meter.plain_ms)
+
+    @property
+    def speedup(self) -> float | None:
+        """Measured speedup over plain decoding (None if the turn made no rounds)."""
+        return self.tokens / self.engine_s * self.plain_ms / 1000 if self.tokens and self.engine_s > 0 else None
+
+
+@dataclass
+class Meter:
+    """One answer's rounds after the prefill, for the measured speedup. Plain decoding's time per
+    token is the profile's at the answer's mean context, rescaled by how this answer's measured
+    verify times compare with the profile's for the same tree sizes: a machine busier (or quieter)
+    than when it was profiled slows plain decoding alike, so the ratio stays honest."""
+    profile: LatencyProfile
+    strategy: str
+    prompt_len: int
+    tokens: int = 0
+    engine_s: float = 0.0
+    verify_s: float = 0.0      # measured verify + accept + commit, what the profile times
+    profiled_s: float = 0.0    # the profile's time for the same rounds
+
+    def add(self, step) -> None:
+        self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
+        self.tokens += len(step.new_ids)
+        self.engine_s += step.draft_s + step.verify_s + step.commit_s
+        self.verify_s += step.verify_s + step.commit_s
+
+    @property
+    def plain_ms(self) -> float:
+        scale = self.verify_s / self.profiled_s if self.profiled_s > 0 else 1.0
+        return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * scale
+
+    def turn(self) -> Turn:
+        return Turn(self.strategy, self.tokens, self.engine_s, self.plain_ms)
 
 
 def prior_table(alphas: Sequence[float] | None) -> torch.Tensor:
@@ -185,16 +219,13 @@ class Tuner:
         if strategy == "eagle" and self.pins.static is None:
             self.acceptance.observe(offers)
 
-    def speedup(self, turn: Turn) -> float | None:
-        """Measured speedup of a turn over plain decoding at its context (None if it made no rounds)."""
-        if turn.tokens == 0 or turn.engine_s <= 0:
-            return None
-        return turn.tokens / turn.engine_s * self.profile.plain_ms(turn.context) / 1000
+    def meter(self, strategy: str, prompt_len: int) -> Meter:
+        return Meter(self.profile, strategy, prompt_len)
 
     def end_turn(self, turn: Turn) -> None:
         """Record a finished turn; step down the ladder after DEMOTE_TURNS slow turns in a row."""
         self.turns.append(turn)
-        measured = self.speedup(turn)
+        measured = turn.speedup
         if measured is None or turn.tokens < MIN_TURN_TOKENS or self.rungs[self.rung] == "plain":
             return
         self.low_turns = self.low_turns + 1 if measured < DEMOTE_BELOW else 0

@@ -11,7 +11,7 @@ from core.config import TreeConfig
 from core.probe import Probe
 from core.profile import LatencyProfile, interpolate, monotone
 from core.tree import make_tree
-from core.tuner import Acceptance, Pins, Tuner, Turn, best_shape, node_values, prior_table
+from core.tuner import Acceptance, Meter, Pins, Tuner, Turn, best_shape, node_values, prior_table
 from core.verify import Acceptance as Accepted, path_offers
 
 LLAMA2_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096,
@@ -185,7 +185,7 @@ def tuner(pins=Pins(), alphas=(0.7, 0.6), prof=CPU, head=True) -> Tuner:
 
 def slow_turn(t: Tuner, speedup: float, strategy="eagle") -> None:
     tokens = 64  # engine time chosen so that tokens / time x plain_ms = speedup
-    t.end_turn(Turn(strategy, tokens, tokens * t.profile.plain_ms(100) / 1000 / speedup, 100))
+    t.end_turn(Turn(strategy, tokens, tokens * t.profile.plain_ms(100) / 1000 / speedup, t.profile.plain_ms(100)))
 
 
 def test_ladder_steps_down_after_two_slow_turns():
@@ -213,7 +213,7 @@ def test_ladder_steps_down_after_two_slow_turns():
 def test_short_turns_do_not_move_the_ladder():
     t = tuner()
     for _ in range(5):
-        t.end_turn(Turn("eagle", 5, 1.0, 100))
+        t.end_turn(Turn("eagle", 5, 1.0, 27.0))
     assert t.plan(100).rung == "tree"
 
 
@@ -241,3 +241,17 @@ def test_a_pinned_strategy_is_never_demoted():
 def test_plan_reason_is_one_line_with_the_numbers():
     plan = tuner().plan(100)
     assert "\n" not in plan.reason and "predicted" in plan.reason and "ms/token" in plan.reason
+
+
+def test_meter_rescales_plain_time_by_the_measured_load():
+    step = SimpleNamespace(tree_size=8, new_ids=(1, 2, 3), draft_s=0.004, verify_s=0.0, commit_s=0.001)
+    calm, busy = Meter(CPU, "eagle", 100), Meter(CPU, "eagle", 100)
+    calm.add(SimpleNamespace(**{**vars(step), "verify_s": CPU.round(8, 100) / 1000 - 0.001}))
+    busy.add(SimpleNamespace(**{**vars(step), "verify_s": 2 * CPU.round(8, 100) / 1000 - 0.001}))
+    assert calm.plain_ms == pytest.approx(CPU.plain_ms(101.5))
+    assert busy.plain_ms == pytest.approx(2 * CPU.plain_ms(101.5))  # twice as slow now: plain would be too
+    assert calm.turn().speedup == pytest.approx(3 / calm.engine_s * calm.plain_ms / 1000)
+    slow = Meter(CPU, "eagle", 100)  # everything, drafting included, twice as slow: the same speedup
+    slow.add(SimpleNamespace(**{**vars(step), "draft_s": 0.008, "commit_s": 0.002,
+                                "verify_s": 2 * CPU.round(8, 100) / 1000 - 0.002}))
+    assert slow.turn().speedup == pytest.approx(calm.turn().speedup)
