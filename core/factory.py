@@ -6,14 +6,15 @@ from pathlib import Path
 
 import torch
 
-from core.budget import GIB, ModelShape, Placement, plan_placement
+from core.budget import (GIB, PLANNED_CONTEXT, MemoryBudgetError, ModelShape, Placement, largest_tree,
+                         plan_placement, target_kv_per_token, tree_bytes)
 from core.config import TreeConfig
 from core.cpu_linear import accelerate_cpu
 from core.drafters import PlainDrafter, PromptLookupDrafter
 from core.eagle import EagleDrafter
 from core.engine import Engine
 from core.errors import UnsupportedModelError
-from core.probe import Probe, load_nvml
+from core.probe import Probe, load_nvml, read_host
 from core.profile import LARGE_SIZES, SIZES, cached_profile, measure_profile, profile_key
 from core.tuner import Acceptance, Pins, Tuner, prior_table
 from models.head_checkpoint import head_config_for_target, head_training_record, load_draft_vocab, load_head
@@ -77,8 +78,34 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None) -> Loaded:
     profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes))
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
-    tuner = Tuner(profile, Acceptance(prior_table(alphas)), pins, drafters, max_size=max(sizes))
+    max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)
+    tuner = Tuner(profile, Acceptance(prior_table(alphas)), pins, drafters, max_size=max_size)
     return Loaded(engine, tuner, placement, onednn, cached)
+
+
+def tree_budget(target: Target, pins: Pins, sizes: tuple[int, ...], reserve: int, probe: Probe | None) -> int:
+    """The largest tree the memory left after the weights holds, beside a chat's KV cache at the
+    planned context: what the tuner may choose. A pinned --total-tokens beyond it is refused."""
+    shape = ModelShape.from_config(target.model.config.to_dict())
+    context = min(PLANNED_CONTEXT, shape.context_len)
+    dtype_bytes = target.dtype.itemsize
+    if target.device.type == "cuda":
+        index = target.device.index or 0
+        gpus = {g.index: g for g in (probe or Probe(load_nvml())).read_gpus()}
+        free = gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
+    else:
+        free = read_host().ram_available
+    available = free - reserve - context * target_kv_per_token(shape, dtype_bytes)
+    if pins.total_tokens and tree_bytes(shape, pins.total_tokens, context, dtype_bytes) > available:
+        raise MemoryBudgetError(
+            f"A {pins.total_tokens}-token tree needs {tree_bytes(shape, pins.total_tokens, context, dtype_bytes) / GIB:.2f} GiB "
+            f"at a {context}-token context; {max(available, 0) / GIB:.2f} GiB is left beside the KV cache and the "
+            f"reserve. Lower --total-tokens or --vram-reserve.")
+    largest = largest_tree(shape, context, dtype_bytes, available, sizes)
+    if largest < 2 and not pins.strategy:
+        raise MemoryBudgetError(f"Only {max(available, 0) / GIB:.2f} GiB is left beside a {context}-token KV cache and the "
+                                "reserve: not enough to verify a draft. Lower --vram-reserve or load a smaller model.")
+    return max(largest, 2)
 
 
 def resolved_strategy(spec: EngineSpec) -> str:

@@ -255,3 +255,16 @@ def test_meter_rescales_plain_time_by_the_measured_load():
     slow.add(SimpleNamespace(**{**vars(step), "draft_s": 0.008, "commit_s": 0.002,
                                 "verify_s": 2 * CPU.round(8, 100) / 1000 - 0.002}))
     assert slow.turn().speedup == pytest.approx(calm.turn().speedup)
+
+
+def test_tree_budget_caps_and_refuses_what_memory_cannot_hold():
+    from core.factory import tree_budget
+    from core.profile import SIZES
+    from tests.conftest import tiny_target
+
+    target = tiny_target()
+    assert tree_budget(target, Pins(), SIZES, 0, None) == 96
+    with pytest.raises(MemoryBudgetError, match="1000000-token tree needs .* Lower --total-tokens"):
+        tree_budget(target, Pins(total_tokens=10**6), SIZES, 0, None)
+    with pytest.raises(MemoryBudgetError, match="not enough to verify a draft"):
+        tree_budget(target, Pins(), SIZES, 10**15, None)  # a reserve bigger than the machine
