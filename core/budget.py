@@ -73,7 +73,8 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
 
 
 def target_kv_per_token(shape: ModelShape, dtype_bytes: int) -> int:
-    return kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, dtype_bytes)
+    """The target's KV plus the draft head's (EAGLE heads are one decoder layer of the target's width)."""
+    return kv_bytes_per_token(shape.layers + 1, shape.kv_heads, shape.head_dim, dtype_bytes)
 
 
 def tree_bytes(shape: ModelShape, tokens: int, context: int, dtype_bytes: int) -> int:

@@ -75,7 +75,7 @@ def test_weights_and_kv_follow_the_formulas():
     assert 3.5 * GIB < weight_bytes(shape, "nf4", 2) < 4.0 * GIB                       # 4.13 bits per linear weight
     assert weight_bytes(shape, "none", 2) == 2 * (shape.linear_params + shape.embedding_params)
     from core.budget import target_kv_per_token
-    assert target_kv_per_token(shape, 2) == 2 * 32 * 32 * 128 * 2                     # 512 KiB per token
+    assert target_kv_per_token(shape, 2) == 2 * (32 + 1) * 32 * 128 * 2   # 512 KiB per token, plus the head's layer
     assert tree_bytes(shape, 64, 1000, 2) > tree_bytes(shape, 32, 1000, 2) > tree_bytes(shape, 32, 10, 2)
 
 
