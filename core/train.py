@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from core.train_data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_conversations,
                              load_features, make_batch, split)
-from core.train_head import LossWeights, chain_hits, draft_index, frequent_tokens, losses, new_head, unroll
+from core.train_head import LossWeights, chain_hits, draft_index, frequent_tokens, losses, new_head, unroll, warm_start
 from models.errors import AerieError, UnsupportedModelError
 from models.head_checkpoint import save_draft_vocab, save_head
 from models.heads import KINDS, EagleHead
@@ -55,6 +55,7 @@ class TrainConfig:
     ttt_decay: float = 0.8
     eval_depth: int = 4                # depths of the validation chain
     init_layer: int | None = None      # copy this target decoder layer into the head's (-1 = the last)
+    init_head: str | None = None       # start from this trained head's weights (a folder): more data, warm
     seed: int = 0
     save_every: int = 200              # steps between checkpoints
     eval_every: int = 0                # steps between validations + head snapshots (0 = at epoch ends only)
@@ -277,6 +278,8 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     if not train_convs or not val_convs:
         raise TrainDataError(f"Too few conversations ({len(convs)}) to hold out a validation split; add answers.")
     head = new_head(target.model, cfg.kind, cfg.draft_vocab, cfg.init_layer, cfg.seed, [c.answer_ids for c in train_convs])
+    if cfg.init_head and not resume:  # on resume the checkpoint already holds the warm-started weights
+        warm_start(head, target.model, cfg.init_head)
     layers = head.feature_layers(target.model.config.get_text_config().num_hidden_layers)
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from core.train_data import Batch
-from models.head_checkpoint import head_config_for_target
+from models.errors import HeadMismatchError
+from models.head_checkpoint import head_config_for_target, load_head
 from models.heads import EagleHead, build_head
 
 
@@ -47,6 +48,16 @@ def new_head(model, kind: str, draft_vocab: int | None, init_layer: int | None, 
         if init_layer is not None:
             init_from_layer(head, model.get_decoder().layers[init_layer])
     return head.to(model.get_input_embeddings().weight.device)
+
+
+def warm_start(head: EagleHead, model, source: str) -> None:
+    """Copy a trained head's weights into `head` (same kind and sizes, checked by the loader), to
+    train it further on more data instead of from scratch."""
+    trained = load_head(source, model.config, model.get_input_embeddings(), model.get_output_embeddings())
+    if trained.config != head.config:
+        raise HeadMismatchError(f"--init-from {source} is a {trained.config.kind} head of another shape than "
+                                f"the {head.config.kind} head this run trains; pass the same --kind and --draft-vocab.")
+    head.load_state_dict(trained.state_dict())
 
 
 def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int) -> torch.Tensor:

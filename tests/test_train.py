@@ -92,6 +92,19 @@ def test_resume_continues_exactly(model, answers, tmp_path):
     assert resumed["val"] == whole_run["val"]
 
 
+def test_warm_start_continues_from_a_trained_head(model, answers, tmp_path):
+    short = replace(CFG, epochs=2)
+    first = train(tiny_target(model), data(answers, tmp_path), short, tmp_path / "first")
+    warm = train(tiny_target(model), data(answers, tmp_path), replace(short, init_head=str(tmp_path / "first")),
+                 tmp_path / "warm")
+    cold_start, warm_start = losses(tmp_path / "first")[0], losses(tmp_path / "warm")[0]
+    assert warm_start < 0.8 * cold_start  # it starts where the first run ended, not from random weights
+    assert warm["val"]["loss"] <= first["val"]["loss"] * 1.05
+    with pytest.raises(Exception, match="another shape"):
+        train(tiny_target(model), data(answers, tmp_path),
+              replace(short, kind="eagle3", draft_vocab=160, init_head=str(tmp_path / "first")), tmp_path / "bad")
+
+
 def test_features_are_reused_and_match_the_engine(model, answers, tmp_path):
     from core.train_data import capture, load_conversations, load_features
 
