@@ -165,6 +165,7 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--draft-vocab", type=int, help="eagle3: keep the N most frequent answer tokens (default: the whole vocabulary)")
     p.add_argument("--ttt-steps", type=int, help="training-time test: unrolled draft steps (default: 1 for eagle1, 5 for eagle3)")
     p.add_argument("--init-from-target", type=int, nargs="?", const=-1, metavar="LAYER", help="start the head's layer from this target layer (default when given without a number: the last)")
+    p.add_argument("--init-from", metavar="HEAD_DIR", help="start from a head trained earlier (same --kind): train it further on more data")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-tokens", type=int, help="use at most this many training answer tokens (default: all)")
     p.add_argument("--val-tokens", type=int, default=16_000, help="validation answer tokens, from a fixed ~2%% of the conversations")
@@ -370,6 +371,7 @@ def run_train(args: argparse.Namespace) -> None:
     try:
         cfg = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                           batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, init_layer=args.init_from_target,
+                          init_head=args.init_from,
                           seed=args.seed, save_every=args.save_every, eval_every=args.eval_every, threads=args.threads,
                           time_limit_s=args.time_limit * 60 if args.time_limit else None)
         data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
