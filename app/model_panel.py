@@ -11,9 +11,7 @@ from typing import Any
 import gradio as gr
 
 from app.handlers import Cancels, SettingsError, header, report, session_key, toast
-from core.config import ModelChoice
-
-QUANTS = ("nf4", "none")
+from core.config import QUANTS, ModelChoice
 POLL_S = 0.5
 GIB = 2**30
 
