@@ -4,6 +4,7 @@ launch.py calls this at start, for the bench, and whenever the UI switches model
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 import torch
 
 from core.budget import (GIB, PLANNED_CONTEXT, MemoryBudgetError, ModelShape, Placement, largest_tree,
@@ -14,7 +15,7 @@ from core.drafters import PlainDrafter, PromptLookupDrafter
 from core.eagle import EagleDrafter
 from core.engine import Engine
 from core.errors import UnsupportedModelError
-from core.probe import Probe, load_nvml, read_host
+from core.probe import Probe, load_nvml
 from core.profile import LARGE_SIZES, SIZES, cached_profile, measure_profile, profile_key
 from core.tuner import Acceptance, Pins, Tuner, prior_table
 from models.head_checkpoint import head_config_for_target, head_training_record, load_draft_vocab, load_head
@@ -94,7 +95,7 @@ def tree_budget(target: Target, pins: Pins, sizes: tuple[int, ...], reserve: int
         gpus = {g.index: g for g in (probe or Probe(load_nvml())).read_gpus()}
         free = gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
     else:
-        free = read_host().ram_available
+        free = psutil.virtual_memory().available
     available = free - reserve - context * target_kv_per_token(shape, dtype_bytes)
     if pins.total_tokens and tree_bytes(shape, pins.total_tokens, context, dtype_bytes) > available:
         raise MemoryBudgetError(

@@ -7,6 +7,7 @@ real one is the `pynvml` module of the nvidia-ml-py package. All sizes are bytes
 """
 
 import importlib
+import time
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -62,10 +63,10 @@ class Probe:
         self.allocator = allocator or torch_reserved
         self.nvml_note: str | None = None if nvml is not None else "no NVML library (pip package nvidia-ml-py)"
         self.nvml_ready = False
-        psutil.cpu_percent()  # the first call only starts psutil's interval
+        self.cpu = CpuLoad()
 
     def read(self) -> Reading:
-        return Reading(self.read_gpus(), read_host(), self.nvml_note)
+        return Reading(self.read_gpus(), read_host(self.cpu.percent()), self.nvml_note)
 
     def read_gpus(self) -> tuple[GpuReading, ...]:
         if self.nvml is None or (not self.nvml_ready and not self._init()):
@@ -94,10 +95,34 @@ class Probe:
         return True
 
 
-def read_host() -> HostReading:
+class CpuLoad:
+    """Machine-wide CPU use over the time since this probe's previous reading. psutil's own
+    `cpu_percent()` measures since the previous call anywhere in the process, so two callers (two
+    open pages, a load event beside a timer tick) would read ~0% on a busy machine. Readings less
+    than MIN_WINDOW_S apart repeat the last value rather than divide a sliver of time."""
+
+    MIN_WINDOW_S = 0.5
+
+    def __init__(self):
+        self.last_times, self.last_at, self.value = psutil.cpu_times(), time.monotonic(), 0.0
+
+    def percent(self) -> float:
+        now = time.monotonic()
+        if now - self.last_at < self.MIN_WINDOW_S:
+            return self.value
+        times = psutil.cpu_times()
+        total = sum(times) - sum(self.last_times)
+        idle = (times.idle + getattr(times, "iowait", 0.0)) - (self.last_times.idle + getattr(self.last_times, "iowait", 0.0))
+        if total > 0:
+            self.value = max(0.0, min(100.0, 100.0 * (1 - idle / total)))
+        self.last_times, self.last_at = times, now
+        return self.value
+
+
+def read_host(cpu_percent: float) -> HostReading:
     vm = psutil.virtual_memory()
     return HostReading(int(vm.total), int(vm.available), int(psutil.Process().memory_info().rss),
-                       float(psutil.cpu_percent()), psutil.cpu_count() or 1)
+                       cpu_percent, psutil.cpu_count() or 1)
 
 
 def torch_reserved(index: int) -> int | None:

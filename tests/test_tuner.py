@@ -1,7 +1,10 @@
 """Hardware-aware tuning (DESIGN.md section 6) with injected probes and given latency profiles:
 NVML readings, the memory budget, the acceptance model, the chosen shapes and the fallback ladder."""
 
+import time
 from types import SimpleNamespace
+
+import psutil
 
 import pytest
 import torch
@@ -268,3 +271,16 @@ def test_tree_budget_caps_and_refuses_what_memory_cannot_hold():
         tree_budget(target, Pins(total_tokens=10**6), SIZES, 0, None)
     with pytest.raises(MemoryBudgetError, match="not enough to verify a draft"):
         tree_budget(target, Pins(), SIZES, 10**15, None)  # a reserve bigger than the machine
+
+
+def test_cpu_load_is_measured_per_probe_and_never_reads_zero_from_a_sliver():
+    from core.probe import CpuLoad
+
+    load = CpuLoad()
+    load.last_at -= 1.0                      # pretend a second passed
+    end = time.perf_counter() + 0.7
+    while time.perf_counter() < end:         # keep this core busy
+        pass
+    busy = load.percent()
+    assert busy > 100 / (psutil.cpu_count() or 1) * 0.5  # at least half of one core's share
+    assert load.percent() == busy            # a reading right after repeats the value, not ~0%

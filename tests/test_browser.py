@@ -1,0 +1,263 @@
+"""The real page in a real browser: Playwright drives Debian's Chromium on a `launch.py` server
+with the embedded model, as a user would. One server (with its own fresh chat store) and one
+browser serve the module; each test opens its own tab. Answers are greedy (the page's default),
+so the texts can be compared. A passing run leaves the README's screenshot in assets/screenshot.png.
+
+Skipped without /usr/bin/chromium (`apt-get install chromium`; .ci/run installs it) or Playwright."""
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app.store import ChatStore, default_store_path
+from tests.test_api import start_aerie
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOT = ROOT / "assets" / "screenshot.png"
+VIEWPORT = {"width": 1280, "height": 800}
+WAIT_MS = 180_000  # the longest wait for an answer on a busy 2-core CPU
+SEE_MS = 60_000    # the longest wait for anything else the page should show
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)")]
+sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (pip install playwright)")
+expect = sync_api.expect
+expect.set_options(timeout=SEE_MS)
+
+# The answers in the chat: the assistant's bubbles, less the rows Gradio draws as accordions
+# ("thoughts": an answer's statistics and its A/B comparison).
+ANSWERS = "#aerie-chat .message:not(.thought) > [data-testid='bot']"
+# Records what the user sees of the chat each time it changes: how many answers, the last one's
+# text, the stats line, and whether Send is back (visible and enabled). Python then waits on and
+# reads window.aerieSeen, so no quick change is missed between two polls.
+RECORDER = """(answers) => {
+  const main = document.querySelector('#aerie-main');
+  const state = () => {
+    const bots = main.querySelectorAll(answers);
+    const send = [...main.querySelectorAll('#aerie-input button')].find(b => b.textContent.trim() === 'Send');
+    return {bots: bots.length, last: bots.length ? bots[bots.length - 1].innerText.trim() : '',
+            stats: main.querySelector('#aerie-stats').innerText.trim(),
+            idle: !!send && !send.disabled && send.offsetParent !== null};
+  };
+  const seen = window.aerieSeen = [];
+  const note = () => {
+    const now = state(), last = seen[seen.length - 1];
+    if (!last || JSON.stringify(last) !== JSON.stringify(now)) seen.push(now);
+  };
+  new MutationObserver(note).observe(main, {subtree: true, childList: true, characterData: true, attributes: true});
+  note();
+}"""
+# An answer started after mark `from` (Send went away) and has ended (Send is back).
+ANSWERED = "(from) => { const s = window.aerieSeen.slice(from); return s.some(x => !x.idle) && s[s.length - 1].idle; }"
+STATS = re.compile(r"(\d+) tokens? · ([\d.]+) tok/s")
+
+
+@pytest.fixture(scope="module")
+def server(embedded_dir, cache_dir, tmp_path_factory):
+    """-> (base URL, the server's chat store)."""
+    data = tmp_path_factory.mktemp("aerie-data")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_DATA_HOME": str(data)}
+    proc, url = start_aerie(cache_dir, env=env)
+    try:
+        yield url, ChatStore(default_store_path({"XDG_DATA_HOME": str(data)}, "linux"))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM))
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def shot(request, tmp_path_factory):
+    """Where a test leaves the README's screenshot; it replaces assets/screenshot.png only when
+    every test of this module passed."""
+    path = tmp_path_factory.mktemp("shot") / "screenshot.png"
+    failed = request.session.testsfailed
+    yield path
+    if path.is_file() and request.session.testsfailed == failed:
+        shutil.copyfile(path, SCREENSHOT)
+
+
+@pytest.fixture
+def page(browser, server):
+    """A fresh tab on the page, loaded: the latest chat (if any) shown, the monitor filled."""
+    context = browser.new_context(viewport=VIEWPORT)
+    tab = context.new_page()
+    tab.set_default_timeout(SEE_MS)
+    open_page(tab, server)
+    yield tab
+    context.close()
+
+
+def open_page(tab, server, reload: bool = False) -> None:
+    """Load (or reload) the page and wait for its load events: until then a click could be undone
+    by the late arrival of the latest chat. Then start recording what the chat shows."""
+    url, store = server
+    tab.reload() if reload else tab.goto(url)
+    expect(tab.locator("#aerie-memory")).to_contain_text("RAM")
+    latest = store.chats()[:1]
+    if latest:
+        expect(tab.locator("#aerie-chats input:checked")).to_have_value(str(latest[0].id))
+    tab.evaluate(RECORDER, ANSWERS)
+
+
+def seen(tab, start: int = 0) -> list[dict]:
+    return tab.evaluate("(from) => window.aerieSeen.slice(from)", start)
+
+
+def answers(tab):
+    return tab.locator(ANSWERS)
+
+
+def questions(tab):
+    return tab.locator("#aerie-chat [data-testid='user']")
+
+
+def button(tab, name: str):
+    return tab.get_by_role("button", name=name, exact=True)
+
+
+def set_max_tokens(tab, n: int) -> None:
+    box = tab.get_by_label("number input for Max new tokens")
+    box.fill(str(n))
+    box.press("Enter")
+    expect(tab.get_by_label("range slider for Max new tokens")).to_have_value(str(n))
+
+
+def shown_chat(tab):
+    """The chat list's selected entry (its title)."""
+    return tab.locator("#aerie-chats label:has(input:checked)")
+
+
+def new_chat(tab) -> None:
+    button(tab, "New chat").click()
+    expect(tab.locator("#aerie-chats input:checked")).to_have_count(0)
+    expect(questions(tab)).to_have_count(0)
+
+
+def act(tab, action) -> list[dict]:
+    """Do `action` (which starts an answer), wait for the answer to end; -> what was seen meanwhile."""
+    mark = len(seen(tab))
+    action()
+    tab.wait_for_function(ANSWERED, arg=mark, timeout=WAIT_MS)
+    return seen(tab, mark)
+
+
+def ask(tab, text: str) -> list[dict]:
+    def send():
+        tab.locator("#aerie-input textarea").fill(text)
+        tab.locator("#aerie-input textarea").press("Enter")
+    return act(tab, send)
+
+
+def stats(tab) -> tuple[int, float]:
+    """(tokens, tok/s) of the stats line under the chat."""
+    found = STATS.search(tab.locator("#aerie-stats").inner_text())
+    assert found, tab.locator("#aerie-stats").inner_text()
+    return int(found[1]), float(found[2])
+
+
+def test_an_answer_streams_with_its_speed_and_the_monitor_plots_it(page, shot):
+    new_chat(page)
+    states = ask(page, "Give me three tips for better sleep.")
+    streaming = [s for s in states if not s["idle"] and s["bots"] == 1 and s["last"]]
+    texts = list(dict.fromkeys(s["last"] for s in streaming))
+    assert len(texts) >= 3, states                             # the answer grew in front of the user
+    assert len(texts[-1]) > len(texts[0])
+    assert any(STATS.search(s["stats"]) for s in streaming)    # the speed shows while it streams
+    assert len(answers(page).last.inner_text().strip()) >= len(texts[-1])
+    expect(questions(page)).to_have_text(["Give me three tips for better sleep."])
+    tokens, tok_s = stats(page)
+    assert tokens > 5 and tok_s > 0
+    expect(button(page, "Stop")).to_be_hidden()
+    expect(page.locator("#aerie-plot")).to_contain_text("tok/s")  # the monitor's next refresh plots it
+    expect(shown_chat(page)).to_have_text("Give me three tips for better sleep.")
+    page.locator("button.label-wrap", has_text="Settings").click()  # folded, so the monitor is in view
+    expect(page.locator("#aerie-memory")).to_be_in_viewport()
+    page.screenshot(path=str(shot))
+
+
+def test_stop_ends_a_long_answer_and_brings_send_back(page):
+    new_chat(page)
+    mark = len(seen(page))
+    page.locator("#aerie-input textarea").fill("Write a long story about a dragon.")
+    page.locator("#aerie-input textarea").press("Enter")
+    stop = button(page, "Stop")
+    expect(stop).to_be_visible()
+    page.wait_for_function("(from) => window.aerieSeen.slice(from).some(s => s.last.length > 150)", arg=mark)
+    stop.click()
+    page.wait_for_function(ANSWERED, arg=mark)
+    expect(button(page, "Send")).to_be_visible()
+    expect(button(page, "Send")).to_be_enabled()
+    expect(stop).to_be_hidden()
+    expect(page.locator("#aerie-stats")).to_contain_text("stopped")
+    tokens, _ = stats(page)
+    assert tokens < 512                                        # well before the page's max new tokens
+    kept, after = answers(page).last.inner_text().strip(), len(seen(page))
+    page.wait_for_timeout(3000)                                # time in which a running answer would grow
+    assert answers(page).last.inner_text().strip() == kept and len(kept) > 150
+    assert all(s["last"] == kept for s in seen(page, after))
+
+
+def test_regenerate_replaces_the_last_answer(page):
+    new_chat(page)
+    set_max_tokens(page, 24)
+    ask(page, "Tell me about the moon.")
+    first = answers(page).last.inner_text().strip()
+    assert stats(page)[0] == 24
+    set_max_tokens(page, 10)
+    states = act(page, button(page, "Regenerate").click)
+    assert any(s["bots"] == 0 for s in states)                 # the old answer went away first
+    expect(answers(page)).to_have_count(1)
+    expect(questions(page)).to_have_count(1)
+    again = answers(page).last.inner_text().strip()
+    assert stats(page)[0] == 10 and "max tokens reached" in page.locator("#aerie-stats").inner_text()
+    assert again and again != first and first.startswith(again)  # greedy: the same start, cut shorter
+
+
+def test_switching_chats_shows_each_ones_history(page):
+    set_max_tokens(page, 8)
+    new_chat(page)
+    ask(page, "What is the capital of France?")
+    first_answer = answers(page).last.inner_text()
+    new_chat(page)
+    ask(page, "Name a colour.")
+    chats = page.locator("#aerie-chats label")
+    expect(chats.filter(has_text="What is the capital of France?")).to_have_count(1)
+    chats.filter(has_text="What is the capital of France?").click()
+    expect(questions(page)).to_have_text(["What is the capital of France?"])
+    expect(answers(page)).to_have_text([first_answer])
+    expect(shown_chat(page)).to_have_text("What is the capital of France?")
+    chats.filter(has_text="Name a colour.").click()
+    expect(questions(page)).to_have_text(["Name a colour."])
+    expect(answers(page)).to_have_count(1)
+    expect(shown_chat(page)).to_have_text("Name a colour.")
+
+
+def test_a_reload_reopens_the_latest_chat(page, server):
+    set_max_tokens(page, 8)
+    new_chat(page)
+    ask(page, "Say hello.")
+    answer = answers(page).last.inner_text()
+    open_page(page, server, reload=True)
+    expect(page.locator("#aerie-chats label").first).to_have_text("Say hello.")  # newest first
+    expect(shown_chat(page)).to_have_text("Say hello.")
+    expect(questions(page)).to_have_text(["Say hello."])
+    expect(answers(page)).to_have_text([answer])
+
+
+def test_the_monitor_shows_memory_and_the_tuner(page):
+    memory = page.locator("#aerie-memory")
+    expect(memory).to_contain_text(re.compile(r"RAM [\d.]+ GiB · CPU \d+% of \d+ cores"))
+    expect(memory).to_contain_text("Weights")
+    expect(page.locator("#aerie-tuning")).to_contain_text(re.compile(r"Tuner: \S+"))
