@@ -6,6 +6,8 @@ no empty chats behind. The store, not the page, holds what a chat says: answers 
 stored messages, so a tab showing an older copy of a chat cannot erase what another tab added.
 
 Every `view` is the tuple (chat list, chatbot, stats line, title box), the outputs ui.py wires.
+The chatbot shows `answers.view` of the stored records: each answer with its statistics under it,
+its drafted text marked when `highlight` (the page's checkbox) is on.
 """
 
 import logging
@@ -19,7 +21,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import handlers
+from app import answers, handlers
 from app.handlers import Cancels, Chat
 from app.store import ChatNotFoundError, ChatStore, StoreError
 
@@ -64,8 +66,9 @@ def _unsaved(exc: StoreError) -> None:
     handlers.toast("warning", f"{exc} This chat is not being saved.")
 
 
-def _history(store: ChatStore, chat_id: int) -> Chat:
-    return [{"role": m.role, "content": m.content} for m in store.messages(chat_id)]
+def stored_chat(store: ChatStore, chat_id: int) -> Chat:
+    return [{"role": m.role, "content": m.content, **({"meta": m.meta} if m.meta else {})}
+            for m in store.messages(chat_id)]
 
 
 def _list(store: ChatStore, chat_id: int | None) -> dict:
@@ -73,11 +76,11 @@ def _list(store: ChatStore, chat_id: int | None) -> dict:
     return gr.update(choices=[(c.title, c.id) for c in store.chats()], value=chat_id)
 
 
-def _view(store: ChatStore, chat_id: int | None) -> tuple:
+def _view(store: ChatStore, chat_id: int | None, highlight: bool = False) -> tuple:
     if chat_id is None:
         return _list(store, None), [], "", ""
-    title, history = store.chat(chat_id).title, _history(store, chat_id)
-    return _list(store, chat_id), history, "", title
+    title, history = store.chat(chat_id).title, stored_chat(store, chat_id)
+    return _list(store, chat_id), answers.view(history, highlight), "", title
 
 
 def _skip_view() -> tuple:
@@ -94,21 +97,23 @@ def _open(store: ChatStore, chat_id: int | None, page_history: Any, create: bool
     try:
         if chat_id is None:
             return (_Recorder(store, store.create_chat().id, new=True) if create else None), page_history
-        return _Recorder(store, chat_id), _history(store, chat_id)
+        return _Recorder(store, chat_id), stored_chat(store, chat_id)
     except StoreError as exc:
         _unsaved(exc)
         return None, page_history
 
 
-def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator) -> Iterator[tuple]:
-    """The (chat, stats) updates of `stream`, each saved as it passes, plus the chat list and
-    title box: sent with the first update (a new chat appears with its title, an old one moves
-    to the top), skipped after."""
+def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, highlight: bool) -> Iterator[tuple]:
+    """The (chat, stats) updates of `stream`, each saved as it passes and shown as `answers.view`,
+    plus the chat list and title box: sent with the first update (a new chat appears with its
+    title, an old one moves to the top), skipped after."""
     listed = recorder is None
     try:
         for chat, stats in stream:
-            if recorder is not None and isinstance(chat, list):
-                recorder.offer(chat)
+            if isinstance(chat, list):
+                if recorder is not None:
+                    recorder.offer(chat)
+                chat = answers.view(chat, highlight)
             chat_list = title = gr.skip()
             if not listed:
                 listed = True
@@ -126,7 +131,7 @@ def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator) ->
 
 def respond(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | None, message: Any, history: Any,
             system_prompt: str, temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any,
-            stop_text: Any, request: gr.Request | None = None) -> Iterator[tuple]:
+            stop_text: Any, highlight: bool = False, request: gr.Request | None = None) -> Iterator[tuple]:
     """handlers.respond into chat `chat_id` (None: a new chat), saved as it streams;
     yields (chat, stats, chat list, title box)."""
     if not handlers.content_text(message).strip():
@@ -135,17 +140,17 @@ def respond(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | Non
     recorder, history = _open(store, chat_id, history, create=True)
     settings = (system_prompt, temperature, top_p, top_k, seed, max_new_tokens, stop_text)
     yield from _recorded(store, recorder, handlers.respond(service, cancels, message, history, *settings,
-                                                           request=request))
+                                                           request=request), highlight)
 
 
 def regenerate(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | None, history: Any,
                system_prompt: str, temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any,
-               stop_text: Any, request: gr.Request | None = None) -> Iterator[tuple]:
+               stop_text: Any, highlight: bool = False, request: gr.Request | None = None) -> Iterator[tuple]:
     """handlers.regenerate in chat `chat_id`, the new answer saved over the old as it streams."""
     recorder, history = _open(store, chat_id, history, create=False)
     settings = (system_prompt, temperature, top_p, top_k, seed, max_new_tokens, stop_text)
     yield from _recorded(store, recorder, handlers.regenerate(service, cancels, history, *settings,
-                                                              request=request))
+                                                              request=request), highlight)
 
 
 def controls(mode: str) -> tuple[dict, dict, dict]:
@@ -157,20 +162,20 @@ def controls(mode: str) -> tuple[dict, dict, dict]:
 # ---------------------------------------------------------------- the panel's actions
 
 
-def open_latest(store: ChatStore) -> tuple:
+def open_latest(store: ChatStore, highlight: bool = False) -> tuple:
     """Page load: the most recently changed chat, so that a reload shows where the user was."""
     try:
         latest = store.chats()[:1]
-        return _view(store, latest[0].id if latest else None)
+        return _view(store, latest[0].id if latest else None, highlight)
     except StoreError as exc:
         handlers.report(exc, "open the saved chats")
         return _skip_view()
 
 
-def switch(store: ChatStore, chat_id: int | None) -> tuple:
+def switch(store: ChatStore, chat_id: int | None, highlight: bool = False) -> tuple:
     """Show the chat picked in the list."""
     try:
-        return _view(store, chat_id)
+        return _view(store, chat_id, highlight)
     except ChatNotFoundError as exc:
         handlers.report(exc, "open the chat")
         return _view(store, None)
@@ -188,6 +193,17 @@ def new_chat(store: ChatStore) -> tuple:
         return gr.update(value=None), [], "", ""
 
 
+def redraw(store: ChatStore, chat_id: int | None, highlight: bool) -> Any:
+    """The chat shown again, with drafted text marked or not (the highlight checkbox changed)."""
+    if chat_id is None:
+        return gr.skip()  # a new chat has no answers yet, or was never saved: nothing to redraw from
+    try:
+        return answers.view(stored_chat(store, chat_id), highlight)
+    except StoreError as exc:
+        handlers.report(exc, "redraw the chat")
+        return gr.skip()
+
+
 def rename(store: ChatStore, chat_id: int | None, title: str) -> tuple[dict, str]:
     """-> (chat list, title box)."""
     if chat_id is None:
@@ -201,14 +217,14 @@ def rename(store: ChatStore, chat_id: int | None, title: str) -> tuple[dict, str
         return gr.skip(), gr.skip()
 
 
-def delete(store: ChatStore, chat_id: int | None) -> tuple:
+def delete(store: ChatStore, chat_id: int | None, highlight: bool = False) -> tuple:
     """Delete the chat shown (the page asked first) and show the most recent one left."""
     if chat_id is None:  # a new chat is not stored yet, or the user said no
         return _skip_view()
     try:
         store.delete(chat_id)
         left = store.chats()[:1]
-        return _view(store, left[0].id if left else None)
+        return _view(store, left[0].id if left else None, highlight)
     except StoreError as exc:
         handlers.report(exc, "delete the chat")
         return _skip_view()

@@ -2,7 +2,8 @@
 
 The service (built in launch.py) answers chats and loads models; these functions turn the page's
 raw values into its calls and its events back into page updates. They know nothing about torch
-or tokens: the service streams text deltas with running `ReplyStats`.
+or tokens: the service streams text deltas with running `ReplyStats`. A chat here is a list of
+records: {"role", "content"}, answers with "meta" (app/answers.py says what it holds).
 """
 
 import html
@@ -14,14 +15,13 @@ from typing import Any
 
 import gradio as gr
 
-from core.config import ReplyStats, SamplingConfig
+from app.answers import Answer, Request, format_stats, plain_text
+from core.config import SamplingConfig
 from core.errors import AerieError
 
 log = logging.getLogger(__name__)
 
-FINISH_LABELS = {"stop": "stop string", "length": "max tokens reached", "cancelled": "stopped", "error": "failed"}
-STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "eagle": "EAGLE"}
-Chat = list[dict[str, str]]
+Chat = list[dict[str, Any]]
 
 
 class SettingsError(AerieError):
@@ -88,7 +88,8 @@ def content_text(content: Any) -> str:
 
 
 def normalise_history(history: Any) -> Chat:
-    """The chat as plain {"role", "content": str} dicts; Gradio 6 hands content back as parts."""
+    """The chat as plain {"role", "content": str} dicts; Gradio 6 hands content back as parts.
+    What the page added around the text (stats rows, highlighting) is left out."""
     chat = []
     for message in history or []:
         role = _field(message, "role")
@@ -96,8 +97,11 @@ def normalise_history(history: Any) -> Chat:
         if role not in ("user", "assistant") or metadata.get("title"):
             continue  # system rows and "thought" bubbles are display-only
         text = content_text(_field(message, "content"))
+        text = plain_text(text) if role == "assistant" else text
+        meta = _field(message, "meta")  # a stored answer's; the page never sends one back
         if text or role == "user":
-            chat.append({"role": role, "content": text})
+            chat.append({"role": role, "content": text, "meta": meta} if role == "assistant" and meta
+                        else {"role": role, "content": text})
     return chat
 
 
@@ -111,7 +115,7 @@ def service_messages(chat: Chat) -> Chat:
         if merged and merged[-1]["role"] == message["role"]:
             merged[-1] = {"role": message["role"], "content": merged[-1]["content"] + "\n\n" + message["content"]}
         else:
-            merged.append(dict(message))
+            merged.append({"role": message["role"], "content": message["content"]})  # never an answer's meta
     return merged
 
 
@@ -159,23 +163,6 @@ def parse_stop_strings(text: Any) -> tuple[str, ...]:
 # ---------------------------------------------------------------- what the page shows
 
 
-def format_stats(stats: ReplyStats, finish: str | None = None) -> str:
-    """One compact Markdown line: tokens, speed, mean accepted length, acceptance, strategy."""
-    rate = "—" if stats.accept_rate is None else f"{stats.accept_rate:.0%}"
-    speedup = "—" if stats.speedup is None else f"{stats.speedup:.2f}×"
-    parts = [
-        f"**{stats.new_tokens}** token{'' if stats.new_tokens == 1 else 's'}",
-        f"**{stats.tok_s:.1f}** tok/s",
-        f"accepted length **{stats.accept_len:.2f}**",
-        f"acceptance **{rate}**",
-        f"speedup **{speedup}** vs plain",
-        STRATEGY_LABELS.get(stats.strategy, stats.strategy),
-    ]
-    if FINISH_LABELS.get(finish or ""):
-        parts.append(FINISH_LABELS[finish])
-    return " · ".join(parts)
-
-
 def header(label: str) -> str:
     return f"## Aerie\n<span class='aerie-label'>{html.escape(label)}</span>"
 
@@ -200,13 +187,14 @@ def report(exc: Exception, what: str) -> None:
 
 
 def controls(mode: str, clear_textbox: bool = False) -> tuple[dict, ...]:
-    """Updates for (textbox, send, stop, regenerate, load) in a mode: idle, answering or loading."""
+    """Updates for (textbox, send, stop, regenerate, load, A/B) in a mode: idle, answering or loading."""
     idle, answering = mode == "idle", mode == "answering"
     textbox = gr.update(interactive=idle, value="") if clear_textbox else gr.update(interactive=idle)
     return (
         textbox,
         gr.update(interactive=idle, visible=not answering),
         gr.update(visible=answering),
+        gr.update(interactive=idle),
         gr.update(interactive=idle),
         gr.update(interactive=idle),
     )
@@ -233,23 +221,24 @@ def _answer(service: Any, cancels: Cancels, key: str, chat: Chat, system_prompt:
     the user gets a toast. The cancel flag is set on the way out, so a closed page stops the work.
     """
     cancel = cancels.start(key)
-    text, stats, notices = "", None, set()
+    answer, notices = Answer(), set()
     try:
         *numbers, stop_text = settings
-        sampling, stops = parse_settings(*numbers), parse_stop_strings(stop_text)
-        events = service.reply(service_messages(chat), system_prompt or "", sampling, stops, cancel)
+        request = Request(system_prompt or "", parse_settings(*numbers), parse_stop_strings(stop_text))
+        events = service.reply(service_messages(chat), request.system_prompt, request.sampling, request.stops,
+                               cancel)
         for event in events:
-            text, stats = text + event.delta, event.stats
+            answer = answer.add(event)
             if event.notice and event.notice not in notices:
                 notices.add(event.notice)
                 toast("info", event.notice)
             if not cancels.discarded(cancel):
-                answer = [{"role": "assistant", "content": text}] if text else []
-                yield chat + answer, format_stats(stats, event.finish)
+                shown = [answer.record(request)] if answer.text else []
+                yield chat + shown, format_stats(answer.stats, event.finish)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged
         report(exc, "answer")
         if not cancels.discarded(cancel):
-            yield chat, format_stats(stats, "error") if stats else ""
+            yield chat, format_stats(answer.stats, "error") if answer.stats else ""
     finally:
         cancel.set()
         cancels.finish(key, cancel)

@@ -3,7 +3,8 @@
 Each call opens its own short connection, so Gradio's worker threads never share one, and the
 file is in WAL mode, so a page can read while an answer is being written. A committed write
 survives the app being killed. The store knows nothing about Gradio or the engine: a chat is a
-list of {"role", "content"} messages, as the page shows them.
+list of {"role", "content"} messages, an answer optionally with "meta": a JSON object the page
+keeps with it (its statistics, which parts the draft wrote), opaque to the store.
 """
 
 import json
@@ -22,7 +23,7 @@ from core.errors import AerieError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1  # PRAGMA user_version; raise it with a step in _MIGRATIONS
+SCHEMA_VERSION = 2  # PRAGMA user_version; raise it with a step in _MIGRATIONS
 EXPORT_VERSION = 1  # of the JSON export; independent of the file's schema
 ROLES = ("user", "assistant")
 SPEAKERS = {"user": "You", "assistant": "Aerie"}  # Markdown export headings
@@ -44,6 +45,10 @@ _MIGRATIONS = {  # from version N-1 to N: statements run in one transaction
                content TEXT NOT NULL,
                created REAL NOT NULL)""",
         "CREATE INDEX messages_by_chat ON messages(chat_id, id)",
+    ),
+    2: (
+        # JSON object, or NULL: user turns, and answers saved before answers had statistics.
+        "ALTER TABLE messages ADD COLUMN meta TEXT",
     ),
 }
 
@@ -69,6 +74,7 @@ class Message:
     role: str      # "user" or "assistant"
     content: str
     created: float
+    meta: dict | None = None  # what the page keeps with an answer; never part of its text
 
 
 def default_store_path(environ: Mapping[str, str] = os.environ, platform: str = sys.platform,
@@ -97,6 +103,18 @@ def title_from(text: str) -> str:
 
 def _iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds).astimezone().isoformat(timespec="seconds")
+
+
+def _json(meta: Mapping | None) -> str | None:
+    """meta as stored: one spelling per value, so that an unchanged answer compares equal."""
+    return None if meta is None else json.dumps(meta, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def _exported(m: Message) -> dict:
+    doc = {**asdict(m), "created": _iso(m.created)}
+    if m.meta is None:
+        del doc["meta"]
+    return doc
 
 
 class ChatStore:
@@ -165,9 +183,10 @@ class ChatStore:
 
     @staticmethod
     def _messages(con: sqlite3.Connection, chat_id: int) -> list[tuple[int, Message]]:
-        rows = con.execute("SELECT id, role, content, created FROM messages WHERE chat_id = ? ORDER BY id",
+        rows = con.execute("SELECT id, role, content, created, meta FROM messages WHERE chat_id = ? ORDER BY id",
                            (chat_id,))
-        return [(row_id, Message(role, content, created)) for row_id, role, content, created in rows]
+        return [(row_id, Message(role, content, created, None if meta is None else json.loads(meta)))
+                for row_id, role, content, created, meta in rows]
 
     def chats(self) -> list[ChatInfo]:
         """Every chat, the most recently updated first."""
@@ -196,11 +215,12 @@ class ChatStore:
             return self._info(con, cur.lastrowid)
 
     @staticmethod
-    def _append(con: sqlite3.Connection, chat_id: int, role: str, content: str, now: float) -> None:
+    def _append(con: sqlite3.Connection, chat_id: int, role: str, content: str, now: float,
+                meta: str | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        con.execute("INSERT INTO messages (chat_id, role, content, created) VALUES (?, ?, ?, ?)",
-                    (chat_id, role, content, now))
+        con.execute("INSERT INTO messages (chat_id, role, content, created, meta) VALUES (?, ?, ?, ?, ?)",
+                    (chat_id, role, content, now, meta))
         if role == "user" and content.strip():
             con.execute("UPDATE chats SET title = ? WHERE id = ? AND title IS NULL", (title_from(content), chat_id))
 
@@ -226,28 +246,29 @@ class ChatStore:
             con.execute("UPDATE messages SET content = ? WHERE id = ?", (content, stored[-1][0]))
             self._touch(con, chat_id, now)
 
-    def sync(self, chat_id: int, chat: Sequence[Mapping[str, str]]) -> None:
-        """Make the chat's messages equal `chat`, rewriting only the tail that differs: while an
-        answer streams that is one UPDATE of its last message; after a regenerate or a failed
-        answer, the dropped messages are deleted. Nothing changed = nothing written."""
-        wanted = [(m["role"], m["content"]) for m in chat]
+    def sync(self, chat_id: int, chat: Sequence[Mapping]) -> None:
+        """Make the chat's messages (and answers' "meta") equal `chat`, rewriting only the tail that
+        differs: while an answer streams that is one UPDATE of its last message; after a regenerate
+        or a failed answer, the dropped messages are deleted. Nothing changed = nothing written."""
+        wanted = [(m["role"], m["content"], _json(m.get("meta"))) for m in chat]
         now = time.time()
         with self._transaction(write=True) as con:
             self._info(con, chat_id)
             stored = self._messages(con, chat_id)
-            have = [(m.role, m.content) for _, m in stored]
+            have = [(m.role, m.content, _json(m.meta)) for _, m in stored]
             same = 0
             while same < min(len(have), len(wanted)) and have[same] == wanted[same]:
                 same += 1
             if same == len(stored) == len(wanted):
                 return
             if same == len(stored) - 1 == len(wanted) - 1 and have[same][0] == wanted[same][0]:
-                con.execute("UPDATE messages SET content = ? WHERE id = ?", (wanted[same][1], stored[same][0]))
+                con.execute("UPDATE messages SET content = ?, meta = ? WHERE id = ?",
+                            (wanted[same][1], wanted[same][2], stored[same][0]))
             else:
                 if same < len(stored):
                     con.execute("DELETE FROM messages WHERE chat_id = ? AND id >= ?", (chat_id, stored[same][0]))
-                for role, content in wanted[same:]:
-                    self._append(con, chat_id, role, content, now)
+                for role, content, meta in wanted[same:]:
+                    self._append(con, chat_id, role, content, now, meta)
             self._touch(con, chat_id, now)
 
     def rename(self, chat_id: int, title: str) -> ChatInfo:
@@ -275,7 +296,7 @@ class ChatStore:
         info, messages = self._snapshot(chat_id)
         doc = {"format": "aerie-chat", "version": EXPORT_VERSION, "title": info.title,
                "created": _iso(info.created), "updated": _iso(info.updated),
-               "messages": [{**asdict(m), "created": _iso(m.created)} for m in messages]}
+               "messages": [_exported(m) for m in messages]}
         return json.dumps(doc, ensure_ascii=False, indent=2) + "\n"
 
     def export_markdown(self, chat_id: int) -> str:

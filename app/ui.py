@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import chats, handlers, model_panel, monitor
+from app import chats, compare, handlers, model_panel, monitor
 from app.store import ChatStore
 from core.config import SamplingConfig
 
@@ -25,7 +25,8 @@ CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 ENGINE = "engine"  # one concurrency group: one answer or model load at a time, across all tabs
 MONITOR_S = 2.0    # seconds between monitor refreshes
 # Delete asks first; declining sends no chat id, and chats.delete then does nothing.
-CONFIRM_DELETE = "(chat) => chat !== null && confirm('Delete this chat? This cannot be undone.') ? chat : null"
+CONFIRM_DELETE = ("(chat, highlight) => [chat !== null && confirm('Delete this chat? This cannot be undone.') "
+                  "? chat : null, highlight]")
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,12 @@ def _chat_panel() -> SimpleNamespace:
         send = gr.Button("Send", variant="primary", scale=1, min_width=90)
         stop = gr.Button("Stop", variant="stop", scale=1, min_width=90, visible=False)
         regen = gr.Button("Regenerate", scale=1, min_width=110)
+        ab = gr.Button("A/B vs plain", scale=1, min_width=140, elem_id="aerie-ab")
+    highlight = gr.Checkbox(False, label="Highlight drafted tokens", container=False, elem_id="aerie-highlight",
+                            info="Marks the text of draft tokens the model accepted (shows answers as raw text)")
     pending = gr.Textbox(visible=False)  # the message on its way from the textbox to respond
     return SimpleNamespace(chatbot=chatbot, stats=stats, textbox=textbox, send=send, stop=stop,
-                           regen=regen, pending=pending)
+                           regen=regen, ab=ab, highlight=highlight, pending=pending)
 
 
 def _chats_panel() -> SimpleNamespace:
@@ -149,26 +153,32 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, p: SimpleNamespace, answers: 
     into the chat shown and lock the panel while they run."""
     c, private = p.chats, {"api_visibility": "private"}
     view = [c.list, p.chatbot, p.stats, c.title]  # the order of a chats view
-    demo.load(bind(chats.open_latest, store), outputs=view, **private)
-    c.list.input(bind(chats.switch, store), inputs=c.list, outputs=view, **private)
+    # Unqueued: a click on New chat or a message sent right after the page opens must not be
+    # overwritten by this opening view arriving late from the queue.
+    demo.load(bind(chats.open_latest, store), inputs=p.highlight, outputs=view, queue=False, **private)
+    c.list.input(bind(chats.switch, store), inputs=[c.list, p.highlight], outputs=view, **private)
     # The chatbot's trash button starts a new chat too: the cleared one stays in the list.
     gr.on([c.new.click, p.chatbot.clear], bind(chats.new_chat, store), outputs=view, **private)
     gr.on([c.rename.click, c.title.submit], bind(chats.rename, store), inputs=[c.list, c.title],
           outputs=[c.list, c.title], **private)
-    c.delete.click(bind(chats.delete, store), inputs=c.list, outputs=view, js=CONFIRM_DELETE, **private)
+    c.delete.click(bind(chats.delete, store), inputs=[c.list, p.highlight], outputs=view, js=CONFIRM_DELETE,
+                   **private)
     c.export_json.click(bind(chats.export, store, "json"), inputs=c.list, outputs=c.exported, **private)
     c.export_md.click(bind(chats.export, store, "markdown"), inputs=c.list, outputs=c.exported, **private)
     quick = {"queue": False, **private}
-    gr.on([p.textbox.submit, p.send.click, p.regen.click], lambda: chats.controls("answering"),
+    gr.on([p.textbox.submit, p.send.click, p.regen.click, p.ab.click], lambda: chats.controls("answering"),
           outputs=c.lock, **quick)
     for answer in answers:
         answer.then(lambda: chats.controls("idle"), outputs=c.lock, **quick)
     p.chatbot.clear(lambda: chats.controls("idle"), outputs=c.lock, **quick)  # Clear cancels the answer
+    # Queued behind a running answer: the chat is redrawn from the store once it is saved.
+    p.highlight.change(bind(chats.redraw, store), inputs=[c.list, p.highlight], outputs=p.chatbot,
+                       concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", **private)
 
 
 def _wire(service: Any, store: ChatStore, cancels: handlers.Cancels, p: SimpleNamespace) -> list:
-    """The chat and model events; returns the two answer events (respond, regenerate)."""
-    lock = [p.textbox, p.send, p.stop, p.regen, p.load]  # the order of handlers.controls
+    """The chat and model events; returns the answer events (respond, regenerate, A/B)."""
+    lock = [p.textbox, p.send, p.stop, p.regen, p.load, p.ab]  # the order of handlers.controls
     quick = {"queue": False, "api_visibility": "private"}
     answer = {"outputs": [p.chatbot, p.stats, p.chats.list, p.chats.title], "concurrency_id": ENGINE,
               "concurrency_limit": 1, "show_progress": "minimal", "show_progress_on": p.chatbot}
@@ -179,26 +189,39 @@ def _wire(service: Any, store: ChatStore, cancels: handlers.Cancels, p: SimpleNa
     send = gr.on([p.textbox.submit, p.send.click], handlers.take_message, inputs=p.textbox,
                  outputs=[p.pending, *lock], **quick)
     respond = send.then(bind(chats.respond, store, service, cancels),
-                        inputs=[p.chats.list, p.pending, p.chatbot, *p.settings],
+                        inputs=[p.chats.list, p.pending, p.chatbot, *p.settings, p.highlight],
                         api_name="respond", **answer)
     respond.then(unlock, outputs=lock, **quick)
     again = p.regen.click(lambda: handlers.controls("answering"), outputs=lock, **quick)
     regenerate = again.then(bind(chats.regenerate, store, service, cancels),
-                            inputs=[p.chats.list, p.chatbot, *p.settings],
+                            inputs=[p.chats.list, p.chatbot, *p.settings, p.highlight],
                             api_name="regenerate", **answer)
     regenerate.then(unlock, outputs=lock, **quick)
+    ab = p.ab.click(lambda: handlers.controls("answering"), outputs=lock, **quick
+                    ).then(bind(compare.compare, store, service, cancels), inputs=[p.chats.list, p.highlight],
+                           api_name="ab", **{**answer, "outputs": [p.chatbot, p.stats]})
+    ab.then(unlock, outputs=lock, **quick)
     p.stop.click(bind(handlers.stop, cancels), api_name="stop", queue=False)
     # The chatbot's own trash button: stop the answer too, and drop its remaining updates.
     p.chatbot.clear(bind(handlers.clear, cancels), outputs=[p.chatbot, p.stats, *lock],
-                    cancels=[respond, regenerate], api_name="clear", queue=False)
+                    cancels=[respond, regenerate, ab], api_name="clear", queue=False)
+    _wire_load(service, p)
+    return [respond, regenerate, ab]
+
+
+def _wire_load(service: Any, p: SimpleNamespace) -> None:
+    """Load model: the chat's controls locked while it loads, Cancel shown instead of Load."""
+    quick = {"queue": False, "api_visibility": "private"}
     system = p.settings[0]
-    buttons = [*lock[:4], p.load, p.cancel_load]
+    buttons = [p.textbox, p.send, p.stop, p.regen, p.ab, p.load, p.cancel_load]
 
     def loading():
-        return (*handlers.controls("loading")[:4], *model_panel.begin_load())
+        locked = handlers.controls("loading")
+        return (*locked[:4], locked[5], *model_panel.begin_load())
 
     def loaded():
-        return (*handlers.controls("idle")[:4], gr.update(visible=True, interactive=True), gr.update(visible=False))
+        idle = handlers.controls("idle")
+        return (*idle[:4], idle[5], gr.update(visible=True, interactive=True), gr.update(visible=False))
 
     p.load.click(loading, outputs=buttons, **quick
                  ).then(bind(model_panel.load_model, service, p.loads), inputs=[p.model, p.head, p.quant, system],
@@ -206,7 +229,6 @@ def _wire(service: Any, store: ChatStore, cancels: handlers.Cancels, p: SimpleNa
                         concurrency_id=ENGINE, concurrency_limit=1
                  ).then(loaded, outputs=buttons, **quick)
     p.cancel_load.click(bind(model_panel.cancel_load, p.loads), outputs=p.status, **quick)
-    return [respond, regenerate]
 
 
 def _monitor_panel() -> SimpleNamespace:

@@ -7,14 +7,15 @@ import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
-from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
+from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig, Spans
+from core.drafters import PlainDrafter
 from core.errors import AerieError, ContextOverflowError
 from core.monitor import Snapshot, snapshot
 from core.probe import Probe
 from core.switching import SwitchReport, fetch, process_bytes, release
-from core.tuner import Turn
+from core.tuner import Meter
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
 
@@ -71,27 +72,66 @@ class IncrementalDetokenizer:
         return window[len(emitted):]
 
 
+def merge_spans(spans: Sequence[tuple[str, bool]]) -> Spans:
+    """Adjacent pieces from the same source joined, empty ones dropped."""
+    out: list[tuple[str, bool]] = []
+    for text, drafted in spans:
+        if text and out and out[-1][1] == drafted:
+            out[-1] = (out[-1][0] + text, drafted)
+        elif text:
+            out.append((text, drafted))
+    return tuple(out)
+
+
+def split_spans(spans: Spans, at: int) -> tuple[Spans, Spans]:
+    """Spans cut at character `at` of their joined text."""
+    head, tail, seen = [], [], 0
+    for text, drafted in spans:
+        cut = min(max(at - seen, 0), len(text))
+        head.append((text[:cut], drafted))
+        tail.append((text[cut:], drafted))
+        seen += len(text)
+    return merge_spans(head), merge_spans(tail)
+
+
+def round_spans(detok: "IncrementalDetokenizer", new_ids: Sequence[int], accepted: int) -> Spans:
+    """One round's text by source: its first `accepted` tokens were drafted, the last is the
+    target's own. Two pushes, so each piece decodes with its own tokens; text the detokenizer held
+    back (half a character) goes with the push that completes it."""
+    drafted = detok.push(new_ids[:accepted]) if accepted else ""
+    return merge_spans(((drafted, True), (detok.push(new_ids[accepted:]), False)))
+
+
 class StopMatcher:
     """Finds stop strings in streamed text. Text that could still become a stop string is held
-    back, so the user never sees half of one."""
+    back, so the user never sees half of one. Held-back text keeps its source (`push_spans`)."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
-        self.pending = ""
+        self.pending: Spans = ()
 
     def push(self, text: str) -> tuple[str, bool]:
         """-> (text safe to show, whether a stop string was hit)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        spans, hit = self.push_spans(((text, False),))
+        return "".join(t for t, _ in spans), hit
+
+    def push_spans(self, spans: Spans) -> tuple[Spans, bool]:
+        """`push` for text in (piece, drafted) pairs -> (the pairs safe to show, hit)."""
+        self.pending = merge_spans(self.pending + tuple(spans))
+        text = "".join(t for t, _ in self.pending)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            out, self.pending = split_spans(self.pending, min(hits))[0], ()
             return out, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        out, self.pending = split_spans(self.pending, len(text) - hold)
         return out, False
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        return "".join(t for t, _ in self.flush_spans())
+
+    def flush_spans(self) -> Spans:
+        out, self.pending = self.pending, ()
         return out
 
 
@@ -148,49 +188,72 @@ class ChatService:
         return SwitchReport(self.label, str(self.engine.target.device), max(before - freed_to, 0), max(used, 0))
 
     def reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
-              stop_strings: tuple[str, ...], cancel: threading.Event) -> Iterator[ReplyEvent]:
-        """Waits while another answer runs; a reply cancelled while waiting yields nothing."""
+              stop_strings: tuple[str, ...], cancel: threading.Event,
+              strategy: str | None = None) -> Iterator[ReplyEvent]:
+        """Waits while another answer runs; a reply cancelled while waiting yields nothing.
+        `strategy` (a drafter's name: "plain" for an A/B comparison) decodes this one answer that
+        way instead of the tuner's choice; the tuner does not count it as a turn (so an A/B run
+        cannot demote EAGLE) and plans the next answer as usual."""
         while not self.busy.acquire(timeout=0.1):
             if cancel.is_set():
                 return
         try:
-            yield from self._reply(messages, system_prompt, sampling, stop_strings, cancel)
+            yield from self._reply(messages, system_prompt, sampling, stop_strings, cancel, strategy)
         finally:
             # A generator may be closed from another thread than the one that started it:
             # a plain Lock, unlike an RLock, can be released there.
             self.busy.release()
 
     def _reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
-               stop_strings: tuple[str, ...], cancel: threading.Event) -> Iterator[ReplyEvent]:
+               stop_strings: tuple[str, ...], cancel: threading.Event,
+               strategy: str | None) -> Iterator[ReplyEvent]:
         engine, tokenizer = self.engine, self.engine.target.tokenizer
         budget = engine.target.context_len - min(sampling.max_new_tokens, engine.target.context_len // 2)
         fitted = fit_context(tokenizer, messages, system_prompt, budget)
         notice = (f"Dropped the {fitted.dropped_turns} oldest turn(s) to fit the model's context."
                   if fitted.dropped_turns else None)
         detok, stops = IncrementalDetokenizer(tokenizer), StopMatcher(stop_strings)
-        plan = self.tuner.prepare(engine, len(fitted.ids)) if self.tuner else None
-        stats = ReplyStats(strategy=engine.drafter.name, prompt_tokens=len(fitted.ids),
-                           tuning=plan.reason if plan else "")
+        previous = engine.drafter
+        stats, meter = self._start(len(fitted.ids), strategy)
         steps, t0 = engine.generate(fitted.ids, sampling, cancel), time.perf_counter()
         try:
             for step in steps:
-                stats = self._account(stats, step, time.perf_counter() - t0)
-                text, hit_stop = stops.push(detok.push(step.new_ids))
+                stats = self._account(stats, step, time.perf_counter() - t0, meter)
+                spans, hit_stop = stops.push_spans(round_spans(detok, step.new_ids, step.accepted))
                 finish = "stop" if hit_stop else step.finish
                 if finish and not hit_stop:
-                    text += stops.flush()  # the answer ended: held-back text was not a stop string
-                yield ReplyEvent(text, stats, notice, finish)
+                    spans += stops.flush_spans()  # the answer ended: held-back text was not a stop string
+                yield ReplyEvent.of(merge_spans(spans), stats, notice, finish)
                 notice = None
                 if finish:
                     return
-            yield ReplyEvent(stops.flush(), stats, notice, "cancelled")
+            yield ReplyEvent.of(stops.flush_spans(), stats, notice, "cancelled")
         finally:
             steps.close()  # frees the engine now, not when the generator is collected
+            if strategy is not None:
+                engine.set_drafter(previous)  # an override lasts one answer
             if stats.new_tokens:
                 self.answers.append(stats)
-            if self.tuner is not None:
-                self.tuner.end_turn(Turn(stats.strategy, stats.round_tokens, stats.round_s,
-                                         stats.prompt_tokens + stats.new_tokens / 2))
+            if meter is not None and strategy is None:
+                self.tuner.end_turn(meter.turn())
+
+    def _start(self, prompt_len: int, strategy: str | None) -> tuple[ReplyStats, Meter | None]:
+        """Set the engine up for one answer: the tuner's plan, or the drafter `strategy` names."""
+        if strategy is None:
+            plan = self.tuner.prepare(self.engine, prompt_len) if self.tuner else None
+            reason = plan.reason if plan else ""
+        else:
+            self.engine.set_drafter(self._drafter(strategy))
+            reason = f"{strategy} for this answer, as asked (not the tuner's choice, not counted as its turn)"
+        stats = ReplyStats(strategy=self.engine.drafter.name, prompt_tokens=prompt_len, tuning=reason)
+        return stats, self.tuner.meter(stats.strategy, prompt_len) if self.tuner else None
+
+    def _drafter(self, strategy: str):
+        drafters = dict(self.tuner.drafters) if self.tuner else {"plain": PlainDrafter()}
+        drafters.setdefault(self.engine.drafter.name, self.engine.drafter)
+        if strategy not in drafters:
+            raise AerieError(f"This model cannot decode with '{strategy}'; it has {', '.join(drafters)}.")
+        return drafters[strategy]
 
     def monitor(self) -> Snapshot:
         """Memory by role, RAM and CPU now; safe to call while an answer streams."""
@@ -201,16 +264,14 @@ class ChatService:
         """What the tuner would choose for a new short chat, and why."""
         return self.tuner.plan(self.tuner.profile.contexts[0]).reason if self.tuner else ""
 
-    def _account(self, stats: ReplyStats, step, elapsed_s: float) -> ReplyStats:
+    def _account(self, stats: ReplyStats, step, elapsed_s: float, meter: Meter | None) -> ReplyStats:
         """Add one engine step to the running stats (and teach the tuner). Step 0 is the prefill;
         the rounds after it are what the speedup gauge compares with plain decoding."""
         stats = replace(stats, new_tokens=stats.new_tokens + len(step.new_ids), elapsed_s=elapsed_s,
                         target_steps=stats.target_steps + 1, drafted=stats.drafted + step.drafted,
                         accepted=stats.accepted + step.accepted)
-        if stats.target_steps == 1 or self.tuner is None:
+        if stats.target_steps == 1 or meter is None:
             return stats
         self.tuner.observe_round(stats.strategy, step.offers)
-        context = stats.prompt_tokens + stats.new_tokens / 2
-        return replace(stats, round_tokens=stats.round_tokens + len(step.new_ids),
-                       round_s=stats.round_s + step.draft_s + step.verify_s + step.commit_s,
-                       plain_ms=self.tuner.profile.plain_ms(context))
+        meter.add(step)
+        return replace(stats, round_tokens=meter.tokens, round_s=meter.engine_s, plain_ms=meter.plain_ms)

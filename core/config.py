@@ -2,6 +2,10 @@
 
 from dataclasses import dataclass
 
+# Target weights: nf4 = 4-bit bitsandbytes (CUDA), none = the compute dtype. models/target.py holds
+# the same list (it cannot import core) and launch.py too (its bootstrap imports nothing of Aerie).
+QUANTS = ("nf4", "none")
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -64,6 +68,9 @@ class ReplyStats:
         return self.accepted / self.drafted if self.drafted else None
 
 
+Spans = tuple[tuple[str, bool], ...]  # text as (piece, drafted) pairs, in order
+
+
 @dataclass(frozen=True)
 class ReplyEvent:
     """One streamed piece of an answer: `delta` is the text added since the previous event."""
@@ -72,6 +79,25 @@ class ReplyEvent:
     stats: ReplyStats
     notice: str | None = None   # e.g. "Dropped the 2 oldest turns to fit the context."
     finish: str | None = None   # None while streaming; then "eos", "stop", "length" or "cancelled"
+    # `delta` split by where its tokens came from: drafted = draft tokens the target accepted, else
+    # the target's own token of the round. Empty when the source does not say (all the target's own).
+    spans: Spans = ()
+
+    def __post_init__(self):
+        if self.spans and "".join(text for text, _ in self.spans) != self.delta:
+            raise ValueError("ReplyEvent spans must add up to its delta")
+
+    @classmethod
+    def of(cls, spans: Spans, stats: ReplyStats, notice: str | None = None,
+           finish: str | None = None) -> "ReplyEvent":
+        return cls("".join(text for text, _ in spans), stats, notice, finish, spans)
+
+    @property
+    def pieces(self) -> Spans:
+        """The delta as (text, drafted) pairs, whether or not the source split it."""
+        if self.spans:
+            return self.spans
+        return ((self.delta, False),) if self.delta else ()
 
 
 @dataclass(frozen=True)

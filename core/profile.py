@@ -47,7 +47,8 @@ class LatencyProfile:
     def round(self, size: float, context: float) -> float:
         """ms of a round verifying `size` tokens after `context` cached ones: the short-context cost
         plus attention's share, linear in context."""
-        extra = (context - self.contexts[0]) * interpolate(self.slope_sizes, self.slope_ms, size)
+        # Below the short context attention is a rounding error: no extrapolation down there.
+        extra = max(context - self.contexts[0], 0) * interpolate(self.slope_sizes, self.slope_ms, size)
         return max(interpolate(self.sizes, self.round_ms, size) + extra, 1e-3)
 
     def plain_ms(self, context: float) -> float:

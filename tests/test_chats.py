@@ -33,6 +33,11 @@ def say(store, service, chat_id, message, history=(), cancels=None):
                               request=session()))
 
 
+def text_rows(view):
+    """The chatbot's messages without the stats and A/B rows under answers (highlight off)."""
+    return [m for m in view if "metadata" not in m]
+
+
 def choices(update):
     return [(label, value) for label, value in update["choices"]]
 
@@ -45,7 +50,7 @@ def test_a_first_message_creates_the_chat_and_lists_it(store):
     assert choices(first_list) == [("Plan a trip to Lisbon", chat.id)] and first_list["value"] == chat.id
     assert outputs[0][3] == "Plan a trip to Lisbon"  # the title box of the new chat
     assert all(o[2] == o[3] == gr.skip() for o in outputs[1:])  # sent once, skipped later
-    assert stored(store, chat.id) == outputs[-1][0] == [
+    assert stored(store, chat.id) == text_rows(outputs[-1][0]) == [
         {"role": "user", "content": "Plan a trip to Lisbon"}, {"role": "assistant", "content": "Hello there, friend."}]
 
 
@@ -58,7 +63,7 @@ def test_answers_start_from_the_stored_chat_not_the_page(store):
     assert service.calls[0].messages[:2] == [{"role": "user", "content": "Q1"},
                                             {"role": "assistant", "content": "A1 (other tab)"}]
     assert [m["content"] for m in stored(store, chat.id)] == ["Q1", "A1 (other tab)", "Q2", "A2"]
-    assert outputs[-1][0] == stored(store, chat.id)
+    assert text_rows(outputs[-1][0]) == stored(store, chat.id)
     assert outputs[0][3] == gr.skip()  # an existing chat keeps the title box as the user left it
 
 
@@ -74,8 +79,8 @@ def test_stop_keeps_the_partial_answer_in_the_store(store):
     cancels.cancel("me")
     last = list(stream)[-1]
     (chat,) = store.chats()
-    assert last[0][-1] == {"role": "assistant", "content": "Hello there"}
-    assert stored(store, chat.id) == last[0]
+    assert text_rows(last[0])[-1] == {"role": "assistant", "content": "Hello there"}
+    assert stored(store, chat.id) == text_rows(last[0])
 
 
 def test_a_failed_answer_is_stored_as_the_page_shows_it(store, toasts):
@@ -83,7 +88,7 @@ def test_a_failed_answer_is_stored_as_the_page_shows_it(store, toasts):
     store.sync(chat.id, [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}])
     service = FakeService(fail_at=3, error=RuntimeError("boom"))
     outputs = say(store, service, chat.id, "Q2")
-    assert stored(store, chat.id) == outputs[-1][0] == [
+    assert stored(store, chat.id) == text_rows(outputs[-1][0]) == [
         {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]
     assert toasts[-1][0] == "warning"
 
@@ -95,7 +100,7 @@ def test_while_streaming_saves_are_throttled_and_the_last_state_is_flushed(store
     (chat,) = store.chats()
     assert stored(store, chat.id) == [{"role": "user", "content": "Hi"}]  # the first save is at once
     stream.close()  # the page went away mid-answer
-    assert stored(store, chat.id) == shown[-1][0]
+    assert stored(store, chat.id) == text_rows(shown[-1][0])
 
 
 def test_a_killed_app_keeps_what_was_shown_before_the_last_save_interval(store, monkeypatch):
@@ -105,7 +110,7 @@ def test_a_killed_app_keeps_what_was_shown_before_the_last_save_interval(store, 
     # A kill runs no `finally`: only what was saved while streaming is there when the app restarts.
     again = ChatStore(store.path)
     (chat,) = again.chats()
-    assert stored(again, chat.id) == shown[-1][0] == [{"role": "user", "content": "Hi"},
+    assert stored(again, chat.id) == text_rows(shown[-1][0]) == [{"role": "user", "content": "Hi"},
                                                       {"role": "assistant", "content": "Hello there"}]
     del stream
 
@@ -126,7 +131,8 @@ class Slow:
 store = ChatStore(sys.argv[1])
 settings = ("", 0.0, 1.0, 0, -1, 100000, "")
 for chat, *_ in chats.respond(store, Slow(), Cancels(), None, "Tell me a story", [], *settings):
-    print(time.monotonic(), len(chat[-1]["content"].split()) if chat[-1]["role"] == "assistant" else 0, flush=True)
+    last = [m for m in chat if "metadata" not in m][-1]  # the answer, not the stats row under it
+    print(time.monotonic(), len(last["content"].split()) if last["role"] == "assistant" else 0, flush=True)
 """
 
 
@@ -159,7 +165,7 @@ def test_regenerate_replaces_the_stored_answer(store):
     store.sync(chat.id, [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "old"}])
     outputs = list(chats.regenerate(store, FakeService(words=("new",)), Cancels(), chat.id, [], *SETTINGS,
                                     request=session()))
-    assert stored(store, chat.id) == outputs[-1][0] == [{"role": "user", "content": "Q"},
+    assert stored(store, chat.id) == text_rows(outputs[-1][0]) == [{"role": "user", "content": "Q"},
                                                        {"role": "assistant", "content": "new"}]
 
 
@@ -170,7 +176,7 @@ def test_a_failing_store_warns_once_and_the_answer_still_streams(store, toasts, 
     monkeypatch.setattr(store, "sync", broken)
     monkeypatch.setattr(chats, "SAVE_EVERY_S", 0.0)
     outputs = say(store, FakeService(), None, "Hi")
-    assert outputs[-1][0][-1] == {"role": "assistant", "content": "Hello there, friend."}
+    assert text_rows(outputs[-1][0])[-1] == {"role": "assistant", "content": "Hello there, friend."}
     warnings = [t for t in toasts if t[0] == "warning"]
     assert len(warnings) == 1 and warnings[0][1].endswith("This chat is not being saved.")
 

@@ -19,9 +19,10 @@ HELLO = [{"role": "user", "content": "Say hello to the tuner."}]
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_dir, cache_dir):
-    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random",
-                      strategy="eagle")
+def loaded(tiny_dir, tmp_path_factory):
+    # Its own cache folder: another module's load of the same model would leave a profile to reuse.
+    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=tmp_path_factory.mktemp("cache"),
+                      head="random", strategy="eagle")
     return load_tuned(spec)
 
 

@@ -73,6 +73,11 @@ def assistant_texts(outputs):
     return [chat[-1]["content"] for chat, _ in outputs if chat and chat[-1]["role"] == "assistant"]
 
 
+def texts(chat):
+    """The chat without what the page keeps beside the text (answers' meta)."""
+    return [{"role": m["role"], "content": m["content"]} for m in chat]
+
+
 def assert_no_traceback(chat):
     assert all("Traceback" not in m["content"] and "Error" not in m["content"] for m in chat)
 
@@ -112,7 +117,8 @@ def test_stop_sets_the_flag_the_service_sees_and_keeps_the_partial_answer():
     outputs += list(stream)
     assert service.finish == "cancelled"
     chat, stats = outputs[-1]
-    assert chat[-1] == {"role": "assistant", "content": "Hello there"}
+    assert texts(chat)[-1] == {"role": "assistant", "content": "Hello there"}
+    assert chat[-1]["meta"]["finish"] == "cancelled"
     assert stats.endswith("stopped")
 
 
@@ -155,7 +161,7 @@ def test_regenerate_replaces_the_last_answer():
                {"role": "assistant", "content": [{"type": "text", "text": "old answer"}]}]
     outputs = list(handlers.regenerate(service, Cancels(), history, *SETTINGS, request=session()))
     assert outputs[0][0][-1] == {"role": "user", "content": "Q2"}
-    assert outputs[-1][0] == [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+    assert texts(outputs[-1][0]) == [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
                               {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "New answer"}]
     assert service.calls[0].messages[-1] == {"role": "user", "content": "Q2"}
 

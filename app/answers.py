@@ -1,0 +1,227 @@
+"""An answer as the page keeps it, and how the chat shows it.
+
+In a chat (a list of {"role", "content"} records) an answer is
+    {"role": "assistant", "content": its plain text, "meta": {...}}
+The text is all that goes back to the model and into exports. "meta" is saved with it
+(app/store.py) and holds what the page shows around it:
+    stats    the answer's final ReplyStats, as a dict
+    finish   how it ended: eos, stop, length or cancelled
+    drafted  [start, end) character ranges of the text that accepted draft tokens wrote
+    request  the system prompt, sampling settings and stop strings it was asked with (for A/B)
+    ab       its comparison with plain decoding (app/compare.py), once asked for
+
+The Chatbot shows each such answer followed by a collapsed row with its statistics, then its A/B
+comparison. Both are Gradio "thought" rows (metadata with a title): drawn as accordions inside
+the answer's bubble, and dropped by `handlers.normalise_history` from what the model sees.
+"""
+
+import html
+import re
+from dataclasses import asdict, dataclass, fields
+
+from core.config import ReplyEvent, ReplyStats, SamplingConfig
+
+FINISH_LABELS = {"stop": "stop string", "length": "max tokens reached", "cancelled": "stopped", "error": "failed"}
+STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "eagle": "EAGLE"}
+# Highlighting draws the answer as escaped text on one line (newlines as <br>): Markdown would
+# break a <mark> that spans two paragraphs or sits in a code block, and a one-line HTML block is
+# passed through Markdown untouched. Gradio's sanitiser keeps <div>, <mark>, <br> and class.
+SPANS_CLASS, DRAFTED_CLASS = "aerie-spans", "aerie-drafted"
+_OPEN, _CLOSE = f'<div class="{SPANS_CLASS}">', "</div>"
+STATS_FIELDS = {f.name for f in fields(ReplyStats)}
+
+
+@dataclass(frozen=True)
+class Request:
+    """What an answer was asked with, so that A/B can ask again exactly so."""
+
+    system_prompt: str
+    sampling: SamplingConfig
+    stops: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        return {"system_prompt": self.system_prompt, "sampling": asdict(self.sampling), "stops": list(self.stops)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Request":
+        return cls(d["system_prompt"], SamplingConfig(**d["sampling"]), tuple(d["stops"]))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An answer while it streams: its text, which parts of it were drafted, its latest stats."""
+
+    text: str = ""
+    drafted: tuple[tuple[int, int], ...] = ()  # [start, end) ranges of `text`, in order, never touching
+    stats: ReplyStats | None = None
+    finish: str | None = None
+
+    def add(self, event: ReplyEvent) -> "Answer":
+        ranges, at = list(self.drafted), len(self.text)
+        for piece, drafted in event.pieces:
+            if drafted and ranges and ranges[-1][1] == at:
+                ranges[-1] = (ranges[-1][0], at + len(piece))
+            elif drafted:
+                ranges.append((at, at + len(piece)))
+            at += len(piece)
+        return Answer(self.text + event.delta, tuple(ranges), event.stats, event.finish or self.finish)
+
+    def record(self, request: Request) -> dict:
+        meta = {"stats": asdict(self.stats) if self.stats else None, "finish": self.finish,
+                "drafted": [list(r) for r in self.drafted], "request": request.as_dict()}
+        return {"role": "assistant", "content": self.text, "meta": meta}
+
+
+def stats_of(meta: dict) -> ReplyStats | None:
+    """The stored stats; fields this version does not know (or no longer has) are left out."""
+    d = meta.get("stats")
+    return None if d is None else ReplyStats(**{k: v for k, v in d.items() if k in STATS_FIELDS})
+
+
+def format_stats(stats: ReplyStats, finish: str | None = None) -> str:
+    """One compact Markdown line: tokens, speed, mean accepted length, acceptance, strategy."""
+    rate = "—" if stats.accept_rate is None else f"{stats.accept_rate:.0%}"
+    headline = _headline(stats)
+    parts = [*headline[:3], f"acceptance **{rate}**", *headline[3:]]
+    if FINISH_LABELS.get(finish or ""):
+        parts.append(FINISH_LABELS[finish])
+    return " · ".join(parts)
+
+
+def _headline(stats: ReplyStats) -> list[str]:
+    speedup = "—" if stats.speedup is None else f"{stats.speedup:.2f}×"
+    return [f"**{stats.new_tokens}** token{'' if stats.new_tokens == 1 else 's'}",
+            f"**{stats.tok_s:.1f}** tok/s",
+            f"accepted length **{stats.accept_len:.2f}**",
+            f"speedup **{speedup}** vs plain",
+            STRATEGY_LABELS.get(stats.strategy, stats.strategy)]
+
+
+# ---------------------------------------------------------------- drawing a chat
+
+
+def escaped(text: str) -> str:
+    """Text as one line of HTML that shows it as written: Gradio's cleandoc would expand tabs."""
+    return html.escape(text, quote=False).replace("\t", "&#9;").replace("\r", "&#13;").replace("\n", "<br>")
+
+
+def highlighted(text: str, drafted) -> str:
+    """The answer with the text of accepted draft tokens in <mark>s."""
+    parts, at = [], 0
+    for start, end in drafted:
+        parts += [escaped(text[at:start]), f'<mark class="{DRAFTED_CLASS}">{escaped(text[start:end])}</mark>']
+        at = end
+    parts.append(escaped(text[at:]))
+    return _OPEN + "".join(parts) + _CLOSE
+
+
+def plain_text(shown: str) -> str:
+    """An answer's text from what the chat shows: `highlighted` undone, anything else as is."""
+    if not (shown.startswith(_OPEN) and shown.endswith(_CLOSE)):
+        return shown
+    inner = re.sub(f'<mark class="{DRAFTED_CLASS}">|</mark>', "", shown[len(_OPEN):-len(_CLOSE)])
+    return html.unescape(inner.replace("<br>", "\n"))
+
+
+def view(chat: list[dict], highlight: bool = False) -> list[dict]:
+    """What the Chatbot shows for `chat`: every answer with meta is followed by its stats row
+    and, once compared, its A/B row; with `highlight`, answers show their drafted text marked."""
+    shown = []
+    for message in chat:
+        meta = message.get("meta") if message["role"] == "assistant" else None
+        if not meta:
+            shown.append({"role": message["role"], "content": message["content"]})
+            continue
+        text = message["content"]
+        shown.append({"role": "assistant", "content": highlighted(text, meta["drafted"]) if highlight else text})
+        shown.append(stats_row(meta, text))
+        if meta.get("ab"):
+            shown.append(ab_row(meta, text))
+    return shown
+
+
+def thought(title: str, body: str, status: str | None = "done") -> dict:
+    """A row Gradio draws as an accordion titled `title`: "done" starts closed, None open,
+    "pending" open with a spinner."""
+    metadata = {"title": title} if status is None else {"title": title, "status": status}
+    return {"role": "assistant", "content": body, "metadata": metadata}
+
+
+def stats_row(meta: dict, text: str) -> dict:
+    """The collapsed line under an answer: the headline numbers; opened, the rest."""
+    stats = stats_of(meta)
+    if stats is None:
+        return thought("No statistics", "This answer ended before its first token.")
+    finish = FINISH_LABELS.get(meta.get("finish") or "")
+    drafted = sum(end - start for start, end in meta["drafted"])
+    rate = "—" if stats.accept_rate is None else f"{stats.accept_rate:.0%}"
+    lines = [f"Acceptance **{rate}**: {stats.accepted} of {stats.drafted} drafted positions accepted; "
+             f"drafted tokens wrote {drafted / max(len(text), 1):.0%} of the text.",
+             f"Wall time {stats.elapsed_s:.2f} s · {stats.target_steps} target forwards · "
+             f"prompt {stats.prompt_tokens} tokens."]
+    if stats.tuning:
+        lines.append(f"Tuner: {html.escape(stats.tuning, quote=False)}")
+    return thought(" · ".join([*_headline(stats), *([finish] if finish else [])]), "\n\n".join(lines))
+
+
+# ---------------------------------------------------------------- A/B with plain decoding
+
+
+def ab_speedup(spec: ReplyStats, plain: ReplyStats) -> float | None:
+    """The ratio of the two measured speeds, prefill included in both."""
+    return spec.tok_s / plain.tok_s if spec.tok_s > 0 and plain.tok_s > 0 else None
+
+
+def first_difference(a: str, b: str) -> int | None:
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def ab_verdict(meta: dict, text: str) -> str:
+    """The A/B headline: the speed ratio, and whether the texts match (greedy) or need not."""
+    ab, spec = meta["ab"], stats_of(meta)
+    ratio = ab_speedup(spec, stats_of(ab))
+    speed = "—" if ratio is None else f"{ratio:.2f}×"
+    if not ab["greedy"]:
+        return f"A/B vs plain decoding: **{speed}** the speed · sampling: texts differ by design"
+    return f"A/B vs plain decoding: **{speed}** the speed · identical text: **{'yes' if ab['text'] == text else 'no'}**"
+
+
+def ab_row(meta: dict, text: str) -> dict:
+    """Both runs side by side, what the texts say, and the plain answer folded away."""
+    ab, spec = meta["ab"], stats_of(meta)
+    plain = stats_of(ab)
+    name = STRATEGY_LABELS.get(spec.strategy, spec.strategy)
+    table = ["| | this answer (" + name + ") | plain decoding |", "|---|---:|---:|",
+             f"| tokens | {spec.new_tokens} | {plain.new_tokens} |",
+             f"| tok/s | {spec.tok_s:.1f} | {plain.tok_s:.1f} |",
+             f"| wall time | {spec.elapsed_s:.2f} s | {plain.elapsed_s:.2f} s |"]
+    ratio = ab_speedup(spec, plain)
+    speed = (f"Speedup **{ratio:.2f}×**: {spec.tok_s:.1f} ÷ {plain.tok_s:.1f} tok/s, each measured from "
+             "the prompt to the last token." if ratio else "No speedup to show: a run made no tokens.")
+    where = first_difference(text, ab["text"])
+    if not ab["greedy"]:
+        same = ("Sampling (temperature above 0): each run draws its own tokens, so the texts differ by "
+                "design; only the speeds compare.")
+    elif where is None:
+        same = "Identical text: **yes**. Greedy decoding: speculation must not change the answer, and it did not."
+    else:
+        same = (f"Identical text: **no**: only the first {where} characters agree. Speculation is exact in exact "
+                "arithmetic; verifying many tokens at once can round differently from one at a time "
+                "and flip a near-tie between two tokens.")
+    folded = f"<details><summary>Plain decoding's answer</summary>{_OPEN}{escaped(ab['text'])}{_CLOSE}</details>"
+    return thought(ab_verdict(meta, text), "\n".join(table) + "\n\n" + speed + "\n\n" + same + "\n\n" + folded, None)
+
+
+def ab_running_row(plain: Answer) -> dict:
+    """The A/B row while the plain run streams."""
+    progress = f": {plain.stats.new_tokens} tokens, {plain.stats.tok_s:.1f} tok/s" if plain.stats else "…"
+    return thought(f"A/B: answering again with plain decoding{progress}",
+                   _OPEN + escaped(plain.text) + _CLOSE if plain.text else "…", "pending")
+
+
+def ab_record(plain: Answer, request: Request) -> dict:
+    """What meta["ab"] keeps of the plain run."""
+    return {"stats": asdict(plain.stats), "text": plain.text, "finish": plain.finish,
+            "greedy": request.sampling.greedy}

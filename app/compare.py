@@ -1,0 +1,108 @@
+"""A/B: the last answer asked again with speculation off, both timings side by side.
+
+The plain run asks exactly what the answer was asked (its stored system prompt, sampling settings
+and stop strings), so under greedy decoding the two texts must match. It replaces nothing: the
+comparison goes into the answer's meta["ab"] and shows in a row under it (app/answers.py), the
+plain text folded inside. The service decodes that one run plainly and the tuner does not count
+it as a turn (ChatService.reply's `strategy`), so the next answer speculates as before.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import gradio as gr
+
+from app import answers, handlers
+from app.answers import Answer, Request
+from app.chats import stored_chat
+from app.handlers import Cancels, Chat
+from app.store import ChatStore, StoreError
+
+ACTION = "compare with plain decoding"
+
+
+def _why_not(chat: Chat) -> str | None:
+    """Why the chat's last message cannot be compared, or None if it can."""
+    last = chat[-1] if chat else {}
+    meta = last.get("meta") or {}
+    if last.get("role") != "assistant":
+        return "The last message has no answer to compare: send or regenerate one first."
+    if meta.get("stats") is None or "request" not in meta:
+        return "This answer was saved before Aerie kept answer statistics: regenerate it, then compare."
+    if meta.get("finish") in (None, "cancelled"):
+        return "The last answer was stopped before it ended: regenerate it, then compare."
+    return None
+
+
+def _last_answer(store: ChatStore, chat_id: int | None) -> tuple[Chat, Request] | None:
+    """The chat whose last answer is to be compared, and what that answer was asked with; None
+    (after telling the user why) when there is none."""
+    if chat_id is None:
+        handlers.toast("info", "There is no answer to compare yet: send a message first.")
+        return None
+    try:
+        chat = stored_chat(store, chat_id)
+    except StoreError as exc:
+        handlers.report(exc, ACTION)
+        return None
+    why = _why_not(chat)
+    if why:
+        handlers.toast("info", why)
+        return None
+    return chat, Request.from_dict(chat[-1]["meta"]["request"])
+
+
+def _plain_run(service: Any, cancels: Cancels, cancel, chat: Chat, asked: Request,
+               shown: list[dict]) -> Iterator[tuple[Answer, list[dict], str]]:
+    """Stream the plain run: (answer so far, chatbot, stats line) per event."""
+    plain = Answer()
+    events = service.reply(handlers.service_messages(chat[:-1]), asked.system_prompt, asked.sampling, asked.stops,
+                           cancel, strategy="plain")
+    for event in events:
+        plain = plain.add(event)
+        if not cancels.discarded(cancel):
+            yield plain, shown + [answers.ab_running_row(plain)], answers.format_stats(plain.stats, event.finish)
+
+
+def _saved(store: ChatStore, chat_id: int, chat: Chat, plain: Answer, asked: Request) -> Chat:
+    """The chat with the comparison in its last answer's meta, saved."""
+    last = {**chat[-1], "meta": {**chat[-1]["meta"], "ab": answers.ab_record(plain, asked)}}
+    chat = chat[:-1] + [last]
+    try:
+        store.sync(chat_id, chat)
+    except StoreError as exc:
+        handlers.report(exc, "save the comparison")
+    return chat
+
+
+def compare(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | None, highlight: bool,
+            request: gr.Request | None = None) -> Iterator[tuple]:
+    """A/B of the chat's last answer; yields (chatbot, stats line). Stop or a failure leaves the
+    chat as it was: a half-finished plain run compares nothing."""
+    found = _last_answer(store, chat_id)
+    if found is None:
+        yield gr.skip(), gr.skip()
+        return
+    chat, asked = found
+    key = handlers.session_key(request)
+    cancel, shown = cancels.start(key), answers.view(chat, highlight)
+    plain, failed = Answer(), False
+    try:
+        for plain, running, line in _plain_run(service, cancels, cancel, chat, asked, shown):
+            yield running, line
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged
+        handlers.report(exc, ACTION)
+        failed = True
+    finally:
+        cleared = cancels.discarded(cancel)  # the page was cleared: show nothing more
+        cancel.set()
+        cancels.finish(key, cancel)
+    if cleared:
+        return
+    if failed or plain.finish in (None, "cancelled"):
+        if not failed:
+            handlers.toast("info", "A/B stopped before plain decoding finished: nothing was compared.")
+        yield shown, ""
+        return
+    chat = _saved(store, chat_id, chat, plain, asked)
+    yield answers.view(chat, highlight), answers.ab_verdict(chat[-1]["meta"], chat[-1]["content"])
