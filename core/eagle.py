@@ -20,6 +20,8 @@ from core.config import TreeConfig
 from core.kv import SlabCache
 from core.tree import DraftTree, additive_mask, expand_frontier, make_tree, rerank, static_shape
 
+RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tuner.py RANKS)
+
 
 class EagleDrafter:
     name = "eagle"
@@ -39,6 +41,7 @@ class EagleDrafter:
         self.feature_layers = head.feature_layers(num_target_layers)
         self.cache = SlabCache()
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
+        self.root_ranking: torch.Tensor | None = None  # (R,) target ids, the last root's best drafts
         self.reshape(tree)
 
     def reshape(self, tree: TreeConfig) -> None:
@@ -55,6 +58,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def draft(self, context: list[int], fresh) -> DraftTree:
+        self.root_ranking = None
         k = fresh.features.shape[0]
         assert self.head_len == len(context) - 1 - k, (self.head_len, len(context), k)
         last = self.catch_up(fresh.features, context[-k:])       # (H,)
@@ -77,6 +81,9 @@ class EagleDrafter:
         """EAGLE-2's expand-then-rerank from the root's head output."""
         top_k, device = self.tree.top_k, root_out.device
         logp = self.log_probs(root_out[None])                                  # (1, Vd)
+        # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
+        # each rank, including ranks this round's tree left out (path_offers).
+        self.root_ranking = self.to_target_ids(logp[0].topk(min(RANKED, logp.shape[-1])).indices)  # (R,)
         step = expand_frontier(torch.zeros(1, device=device), logp, top_k)
         pool_scores, pool_parents = [step.scores], [torch.full((top_k,), -1, device=device)]
         pool_tokens = [self.to_target_ids(step.tokens)]

@@ -159,7 +159,7 @@ class Engine:
         self.commit(acceptance, tree)
         t3 = time.perf_counter()
         result = StepResult(tuple(acceptance.new_tokens), acceptance.accepted, tree.max_depth, tree.size,
-                            t1 - t0, t2 - t1, t3 - t2, offers=path_offers(tree, acceptance))
+                            t1 - t0, t2 - t1, t3 - t2, offers=path_offers(tree, acceptance, getattr(self.drafter, "root_ranking", None)))
         return Round(result, kept(verified, acceptance.nodes))
 
     def verify(self, tree: DraftTree) -> Verified:

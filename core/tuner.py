@@ -25,11 +25,12 @@ from typing import Sequence
 import torch
 
 from core.config import TreeConfig
+from core.eagle import RANKED
 from core.profile import LatencyProfile
 
 MAX_DEPTH = 7                       # expansion steps searched (longest draft = depth + 1)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
-RANKS = 10                          # sibling ranks whose acceptance is learned
+RANKS = RANKED                      # sibling ranks whose acceptance is learned (the root ranks them all)
 RANK_DECAY = 0.3                    # prior: rank r+1 is accepted 0.3x as often as rank r
 PRIOR_STRENGTH = 8.0                # the prior counts as this many observed offers per (depth, rank)
 DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16

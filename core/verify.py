@@ -94,15 +94,22 @@ def _along_path(tree: DraftTree, last: int, bonus: int, path: list[int] | None =
     return Acceptance(nodes=nodes, new_tokens=[*tree.tokens[nodes[1:]].tolist(), bonus])
 
 
-def path_offers(tree: DraftTree, acceptance: Acceptance) -> tuple[tuple[int, int], ...]:
+def path_offers(tree: DraftTree, acceptance: Acceptance,
+                root_ranking: Tensor | None = None) -> tuple[tuple[int, int], ...]:
     """What the drafter offered along the accepted path, for learning acceptance by rank (Sequoia).
 
     One (children, rank) pair per path node that had children, root first: how many children the
     node had and the sibling rank (0 = the drafter's most likely) of the one accepted, or -1 when
     none was. EAGLE's trees list siblings best first, so a child's index among its siblings is its
-    draft rank. The i-th pair is about depth i + 1.
+    draft rank. The i-th pair is about depth i + 1. With `root_ranking` (R,), the drafter's best R
+    root drafts whether the tree kept them or not, the first pair covers all R: the target's next
+    token after the root is known, so every rank's acceptance is observed there, not only the kept.
     """
     kids, path = children(tree), acceptance.nodes.tolist()
+    if root_ranking is not None and kids[0]:
+        chosen = (root_ranking == acceptance.new_tokens[0]).nonzero()
+        first = (len(root_ranking), int(chosen[0, 0]) if len(chosen) else -1)
+        return (first, *path_offers(tree, acceptance)[1:])
     offers = []
     for depth, node in enumerate(path):
         if not kids[node]:

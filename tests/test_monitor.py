@@ -64,6 +64,7 @@ def test_tuned_service_is_lossless_and_reports_speedup(loaded):
     assert stats.speedup is not None and stats.speedup > 0 and stats.plain_ms > 0
     assert stats.round_tokens == stats.new_tokens - 1    # every token after the prefill's came from a round
     assert loaded.tuner.acceptance.trials.sum() > trials  # it learned from the rounds
+    assert loaded.tuner.acceptance.trials[0, -1] > 0       # every root rank, also those no tree held
     assert service.answers[-1] == stats and len(loaded.tuner.turns) >= 1
     loaded.engine.set_drafter(loaded.tuner.drafters["plain"])
     plain_text, _ = answer(ChatService(loaded.engine))

@@ -161,6 +161,17 @@ def test_path_offers_name_the_accepted_ranks():
     assert path_offers(tree, Accepted(torch.tensor([0, 1]), [6, 3])) == ((2, 0), (2, -1))
 
 
+def test_root_ranking_reports_ranks_the_tree_left_out():
+    tree = make_tree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 1])  # the root kept only its 2 best drafts, 6 and 7
+    ranking = torch.tensor([6, 7, 3, 4, 11])             # the drafter's 5 best root drafts
+    missed = Accepted(torch.tensor([0]), [4])            # the target chose 4: rank 3, not in the tree
+    assert path_offers(tree, missed) == ((2, -1),)
+    assert path_offers(tree, missed, ranking) == ((5, 3),)
+    deeper = Accepted(torch.tensor([0, 1, 4]), [6, 9, 3])
+    assert path_offers(tree, deeper, ranking) == ((5, 0), (2, 1))
+    assert path_offers(tree, Accepted(torch.tensor([0]), [99]), ranking) == ((5, -1),)
+
+
 def test_cpu_profile_picks_a_small_tree_and_gpu_a_large_deep_one():
     q = prior_table([0.7, 0.6, 0.6, 0.6])
     cpu = best_shape(q, CPU, 100, 96, Pins(), chain=False).tree
