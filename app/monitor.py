@@ -1,11 +1,14 @@
 """The monitor panel: memory by role per GPU and in RAM, CPU load, the tuner's choice, and a small
-plot of tokens/s and accepted length per answer. Plain HTML and SVG from the service's numbers
-(a `core.monitor.Snapshot` and the answers' `ReplyStats`); a gr.Timer refreshes it."""
+plot of tokens/s and accepted length per answer of the chat shown. Plain HTML and SVG from the
+service's numbers (a `core.monitor.Snapshot`) and the stored answers' `ReplyStats`; a gr.Timer
+refreshes it."""
 
 import html
 from collections.abc import Sequence
 from typing import Any
 
+from app.answers import stats_of
+from app.chats import stored_chat
 from core.config import ReplyStats
 
 GIB = 2**30
@@ -76,11 +79,22 @@ def history_svg(answers: Sequence[ReplyStats], width: int = 300, height: int = 9
             f"aria-label='tokens per second and accepted length per answer'>{''.join(lines)}{caption}</svg>")
 
 
-def refresh(service: Any) -> tuple[str, str, str]:
-    """(memory, plot, tuner line) for the panel; a failing reading is shown, never raised."""
+def chat_answers(store: Any, chat_id: int | None) -> list[ReplyStats]:
+    """The stats of the shown chat's answers, oldest first (app/answers.py keeps them in meta)."""
+    if chat_id is None:
+        return []
+    rows = [m.get("meta") for m in stored_chat(store, chat_id) if m["role"] == "assistant"]
+    return [s for s in (stats_of(meta) for meta in rows if meta) if s is not None and s.new_tokens]
+
+
+def refresh(service: Any, store: Any, chat_id: int | None = None) -> tuple[str, str, str]:
+    """(memory, plot of the shown chat, tuner line) for the panel; a failing reading is shown,
+    never raised."""
     try:
         memory = memory_html(service.monitor())
+        plot = history_svg(chat_answers(store, chat_id))
     except Exception as exc:  # noqa: BLE001 - a monitor must not break the page; the reason is shown
         memory = f"<div class='aerie-muted'>Monitor unavailable: {html.escape(type(exc).__name__)}: {html.escape(str(exc))}</div>"
+        plot = ""
     tuning = service.tuning
-    return memory, history_svg(service.answers), f"**Tuner:** {html.escape(tuning)}" if tuning else ""
+    return memory, plot, f"**Tuner:** {html.escape(tuning)}" if tuning else ""

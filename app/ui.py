@@ -240,12 +240,12 @@ def _monitor_panel() -> SimpleNamespace:
     return SimpleNamespace(tuning=tuning, memory=memory, plot=plot)
 
 
-def _wire_monitor(demo: gr.Blocks, service: Any, m: SimpleNamespace) -> None:
+def _wire_monitor(demo: gr.Blocks, service: Any, store: ChatStore, m: SimpleNamespace, chat_list) -> None:
     """Refresh on load and every MONITOR_S seconds, idle or answering: unqueued, so it never waits
-    behind an answer."""
-    outputs, refresh = [m.memory, m.plot, m.tuning], bind(monitor.refresh, service)
-    demo.load(refresh, outputs=outputs, queue=False, api_visibility="private")
-    gr.Timer(MONITOR_S).tick(refresh, outputs=outputs, queue=False, api_visibility="private",
+    behind an answer. The plot follows the chat selected in `chat_list`."""
+    outputs, refresh = [m.memory, m.plot, m.tuning], bind(monitor.refresh, service, store)
+    demo.load(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private")
+    gr.Timer(MONITOR_S).tick(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private",
                              show_progress="hidden")
 
 
@@ -267,5 +267,5 @@ def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = Non
                                    loads=handlers.Cancels(),
                                    chats=saved)
         _wire_chats(demo, store, page, _wire(service, store, cancels, page))
-        _wire_monitor(demo, service, gauges)
+        _wire_monitor(demo, service, store, gauges, saved.list)
     return demo.queue(default_concurrency_limit=1)

@@ -148,7 +148,6 @@ class ChatService:
         self.loader = loader
         self.choice = choice  # what `engine` was loaded from, to reload it if a switch fails
         self.probe = probe or Probe(None)
-        self.answers: list[ReplyStats] = []  # final stats of every answer since start, for the monitor's plot
         self.default_system_prompt = ""
         # One answer or model load at a time: the page and the HTTP API share this engine.
         self.busy = threading.Lock()
@@ -232,8 +231,6 @@ class ChatService:
             steps.close()  # frees the engine now, not when the generator is collected
             if strategy is not None:
                 engine.set_drafter(previous)  # an override lasts one answer
-            if stats.new_tokens:
-                self.answers.append(stats)
             if meter is not None and strategy is None:
                 self.tuner.end_turn(meter.turn())
 
