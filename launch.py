@@ -125,9 +125,9 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
-    p.add_argument("--depth", type=natural, help="EAGLE tree: expansion steps, longest draft = depth + 1 (default: per device)")
-    p.add_argument("--top-k", type=positive, help="EAGLE tree: children per expanded node (default: per device)")
-    p.add_argument("--total-tokens", type=positive, help="EAGLE tree: tokens verified per round, root included (default: per device)")
+    p.add_argument("--depth", type=natural, help="EAGLE tree: expansion steps, longest draft = depth + 1 (default: the tuner's choice)")
+    p.add_argument("--top-k", type=positive, help="EAGLE tree: children per expanded node (default: the tuner's choice)")
+    p.add_argument("--total-tokens", type=positive, help="EAGLE tree: tokens verified per round, root included (default: the tuner's choice)")
     p.add_argument("--static-tree", action="store_true", help="EAGLE-1's fixed 26-node tree (mc_sim_7b_63) instead of the dynamic one")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--vram-reserve", type=float, default=0.5, metavar="GB",

@@ -39,10 +39,9 @@ class EngineSpec:
     vram_reserve_gb: float = 0.5      # GPU memory left to other programs
 
 
-# Until the tuner measures the machine (issue 5). On the 2-core CPU (oneDNN linears, one thread) a
-# verified token costs ~1 ms over the 27 ms of a one-token forward and each head step ~4 ms, so one
-# level of 4 siblings won a grid of 6 shapes (1.18x plain; depth 1-4 trees 1.04x down to 0.73x).
-# On a GPU a verify costs nearly the same for 1 or 60 tokens: EAGLE-2's own trees.
+# The tree of an engine built without a tuner (load_engine, tests), and the first drafter's before
+# the tuner's first plan. Measured on the 2-core CPU (oneDNN linears): one level of 4 siblings won a
+# grid of 6 shapes; on a GPU a verify costs nearly the same for 1 or 60 tokens: EAGLE-2's own trees.
 DEFAULT_TREES = {"cpu": TreeConfig(depth=0, top_k=4, total_tokens=5), "cuda": TreeConfig(depth=5, top_k=8, total_tokens=48)}
 
 
