@@ -118,8 +118,12 @@ def bootstrap(argv: list[str]) -> None:
 # ---------------------------------------------------------------- commands (inside .venv)
 
 def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch.py" + (" bench" if bench else ""),
-                                description="Aerie: a fast local chat with lossless speculative decoding.")
+    description = ("Aerie's benchmark: every decoding strategy on the same prompts, greedy, in one process; "
+                   "a per-category table, then one JSON line." if bench else
+                   "Aerie: a fast local chat with lossless speculative decoding. Other commands: "
+                   "launch.py test | bench | train | generate (each has --help).")
+    p = argparse.ArgumentParser(prog="launch.py" + (" bench" if bench else ""), description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quant", choices=QUANTS, help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), none = full precision (default on CPU)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
@@ -135,9 +139,10 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     if bench:
         p.add_argument("--prompts", type=Path, default=ROOT / "assets" / "bench" / "mt_bench.jsonl", help="MT-bench style jsonl (first turns are used; default: the 80 MT-bench questions)")
         p.add_argument("--limit", type=positive, help="number of prompts, picked round-robin across categories")
-        p.add_argument("--max-new-tokens", type=positive, default=128)
+        p.add_argument("--max-new-tokens", type=positive, default=128, help="tokens generated per prompt and strategy")
         p.add_argument("--context", type=natural, default=0, help="pad each prompt with filler to about this many tokens")
-        p.add_argument("--strategies", help="comma-separated subset (plain always runs)")
+        p.add_argument("--strategies", help="comma-separated subset of plain, hf_generate, hf_prompt_lookup, "
+                       "prompt_lookup, eagle (plain always runs)")
         p.add_argument("--compare-default-tree", action="store_true",
                        help="add eagle_default_tree: EAGLE's published default (60 tokens, depth 6, top_k 10) beside the tuned eagle")
         p.add_argument("--trees", help="add fixed EAGLE shapes, e.g. '0,4,5 2,4,12' (depth,top_k,total_tokens each): a grid in one run")
@@ -267,6 +272,9 @@ def default_cache_dir() -> Path:
 def free_port(host: str, first: int) -> int:
     for port in range(first, first + 100):
         with socket.socket() as s:
+            # As uvicorn binds: a port that only holds connections of a process that just exited
+            # (TIME_WAIT) is free, so a quick restart keeps its address.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
                 return port
@@ -309,6 +317,7 @@ def run_app(args: argparse.Namespace) -> None:
     from core.errors import AerieError
     from core.factory import load_tuned
     from core.probe import Probe, load_nvml
+    from core.switching import preflight
 
     probe = Probe(load_nvml())  # one NVML session for placement and the monitor
 
@@ -320,11 +329,15 @@ def run_app(args: argparse.Namespace) -> None:
         return load_tuned(engine_spec(args, model=choice.model, quant=choice.quant, head=head or None,
                                       strategy=args.strategy if same else "auto"), probe)
 
+    def check(choice: ModelChoice) -> None:
+        preflight(target_spec(argparse.Namespace(**{**vars(args), "model": choice.model, "quant": choice.quant})),
+                  choice.head)
+
     try:
         store = ChatStore(default_store_path())  # before the model: a store that cannot open fails fast
         choice = ModelChoice(args.model, args.quant, args.head)
         loaded = loader(choice)
-        service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir)
+        service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir, check)
     except AerieError as e:
         fail(e)
     port = free_port(args.host, args.port)

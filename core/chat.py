@@ -7,11 +7,11 @@ import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig, Spans
 from core.drafters import PlainDrafter
-from core.errors import AerieError, ContextOverflowError
+from core.errors import AerieError, ContextOverflowError, ModelLoadError
 from core.monitor import Snapshot, snapshot
 from core.probe import Probe
 from core.switching import SwitchReport, fetch, process_bytes, release
@@ -141,9 +141,11 @@ class ChatService:
     models without knowing how they load. Without a tuner the engine's drafter is used as is."""
 
     def __init__(self, engine, loader: Callable | None = None, tuner=None, probe: Probe | None = None,
-                 choice: ModelChoice = ModelChoice(), cache_dir: Path | None = None):
+                 choice: ModelChoice = ModelChoice(), cache_dir: Path | None = None,
+                 preflight: Callable[[ModelChoice], None] | None = None):
         self.engine = engine
         self.cache_dir = cache_dir  # where Hub downloads go (cache_dir/hub), as the loader reads them
+        self.preflight = preflight  # cheap checks of a ModelChoice before the current model is freed
         self.tuner = tuner
         self.loader = loader
         self.choice = choice  # what `engine` was loaded from, to reload it if a switch fails
@@ -172,19 +174,33 @@ class ChatService:
         if self.loader is None:
             raise RuntimeError("this ChatService was built without a model loader")
         with self.busy:
+            if self.preflight is not None:
+                self.preflight(choice)  # a typo costs nothing: the current model is still loaded
             device = self.engine.target.device
             before = process_bytes(device)
             self.engine = self.tuner = None  # drop every reference to the old model before loading
             freed_to = release(device)
             try:
                 loaded = self.loader(choice)
-            except AerieError as e:
-                loaded = self.loader(self.choice)
-                self.engine, self.tuner = loaded.engine, loaded.tuner
-                raise type(e)(f"{e} The previous model is loaded again.") from e
+            except Exception as e:  # noqa: BLE001 - whatever failed, the previous model must come back
+                self._restore(e)
             self.engine, self.tuner, self.choice = loaded.engine, loaded.tuner, choice
             used = process_bytes(self.engine.target.device) - (freed_to if self.engine.target.device == device else 0)
         return SwitchReport(self.label, str(self.engine.target.device), max(before - freed_to, 0), max(used, 0))
+
+    def _restore(self, error: Exception) -> NoReturn:
+        """Load the previous model again after a failed switch, then raise `error` as a user-facing
+        AerieError saying so (unexpected errors keep their type's name and first line)."""
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        message = str(error) if isinstance(error, AerieError) else f"Could not load the model ({type(error).__name__}: {first})."
+        try:
+            loaded = self.loader(self.choice)
+        except Exception as again:  # noqa: BLE001 - reported with the first failure
+            raise ModelLoadError(f"{message} Reloading the previous model failed too ({type(again).__name__}); "
+                                 "restart Aerie.") from again
+        self.engine, self.tuner = loaded.engine, loaded.tuner
+        kind = type(error) if isinstance(error, AerieError) else ModelLoadError
+        raise kind(f"{message} The previous model is loaded again.") from error
 
     def reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
               stop_strings: tuple[str, ...], cancel: threading.Event,

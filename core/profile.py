@@ -80,8 +80,19 @@ def profile_key(engine, head_source: str | None, kernels: str, offloaded: bool) 
     device = (torch.cuda.get_device_name(target.device) if target.device.type == "cuda"
               else f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads")
     return {"version": VERSION, "model": str(target.model.config.name_or_path), "quant": target.quant,
-            "dtype": str(target.dtype), "device": device, "kernels": kernels, "head": head_source,
+            "dtype": str(target.dtype), "device": device, "kernels": kernels, "head": head_identity(head_source),
             "offloaded": offloaded, "torch": torch.__version__, "sizes": list(SIZES)}
+
+
+def head_identity(source: str | None) -> str | None:
+    """What the profile's key records of a head: a folder by its config and weights' sizes (so
+    two checkouts of the same head share a profile), anything else by name."""
+    folder = Path(source).expanduser() if source else None
+    if folder is None or not folder.is_dir():
+        return source
+    parts = [(folder / "config.json").read_bytes() if (folder / "config.json").is_file() else b""]
+    parts += [f"{f.name}:{f.stat().st_size}".encode() for f in sorted(folder.glob("*.safetensors"))]
+    return "folder:" + hashlib.sha1(b"\n".join(parts)).hexdigest()[:16]
 
 
 def cached_profile(cache_dir: Path, key: dict, measure) -> tuple[LatencyProfile, bool]:

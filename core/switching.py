@@ -16,7 +16,9 @@ import torch
 
 from core.config import ModelChoice
 from models.download import HEAD_PATTERNS, MODEL_PATTERNS, Download, Progress, snapshot
+from models.errors import ModelLoadError
 from models.head_checkpoint import HUB_ID
+from models.target import LoadSpec, resolve
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,12 @@ def release(device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return process_bytes(device)
+
+
+def preflight(spec: LoadSpec, head: str | None) -> None:
+    """Cheap checks before the current model is freed: the target resolves (its folder, config and
+    architecture; a Hub model was fetched already) and a head given as a folder exists."""
+    resolve(spec)
+    if head and head != "random" and not is_hub_id(head) and not Path(head).expanduser().is_dir():
+        raise ModelLoadError(f"The head folder {head} does not exist: pass a folder with the head's config.json "
+                             "and weights, a Hugging Face id, 'default' or 'none'.")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from models.download import MODEL_PATTERNS, hub_cache
@@ -172,8 +173,8 @@ def load_resolved(r: Resolved, gpu_weight_bytes: int | None = None) -> Target:
         model = AutoModelForCausalLM.from_pretrained(r.model_dir, **kwargs).eval()
     except torch.cuda.OutOfMemoryError as e:
         raise ModelLoadError(f"Not enough GPU memory to load {r.model_dir.name}; try a smaller model.") from e
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"Could not load the model from {r.model_dir}: {str(e).splitlines()[0]}") from e
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ModelLoadError(f"Could not load the model from {r.model_dir}: {(str(e).splitlines() or [type(e).__name__])[0]}") from e
     name = EMBEDDED_NAME if r.spec.model is None else (r.spec.model.rstrip("/").split("/")[-1])
     return Target(model=model, tokenizer=tokenizer, name=name, device=r.device, quant=r.quant, dtype=r.dtype,
                   context_len=int(r.config.get("max_position_embeddings") or 2048), eos_ids=eos_ids(model, tokenizer))

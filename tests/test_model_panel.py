@@ -104,6 +104,36 @@ def test_switch_reports_memory_and_a_failed_switch_restores_the_old_model(monkey
     assert service.engine.target.name == "new" and service.choice.model == "new"
 
 
+def test_an_unexpected_load_error_still_brings_the_old_model_back(monkeypatch):
+    import core.chat as chat_module
+    monkeypatch.setattr(chat_module, "process_bytes", lambda device: GIB)
+    monkeypatch.setattr(chat_module, "release", lambda device: GIB)
+
+    def loader(choice):
+        if choice.model == "broken":
+            raise RuntimeError("SafetensorError: invalid header\nmore detail")
+        return SimpleNamespace(engine=FakeEngine(choice.model), tuner=None)
+
+    service = ChatService(FakeEngine("old"), loader, choice=ModelChoice("old", "none", None))
+    with pytest.raises(ModelLoadError, match=r"RuntimeError: SafetensorError: invalid header\)\. The previous model"):
+        service.load_model(ModelChoice("broken", "none", None))
+    assert service.engine.target.name == "old"
+
+
+def test_preflight_refuses_before_anything_is_freed(embedded_dir, cache_dir):
+    from core.switching import preflight
+    from models.target import LoadSpec
+
+    loads = []
+    service = ChatService(FakeEngine("old"), lambda c: loads.append(c), choice=ModelChoice("old", "none", None),
+                          preflight=lambda c: preflight(LoadSpec(c.model, "none", "cpu", cache_dir), c.head))
+    with pytest.raises(ModelLoadError, match="neither a local folder"):
+        service.load_model(ModelChoice("./no-such-model-here", "none", None))
+    with pytest.raises(ModelLoadError, match="head folder /no/such/head does not exist"):
+        service.load_model(ModelChoice(None, "none", "/no/such/head"))
+    assert loads == [] and service.engine.target.name == "old"
+
+
 # ---------------------------------------------------------------- the panel
 
 
