@@ -204,7 +204,7 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
 def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
               results: dict[str, StrategyResult], context: int) -> dict:
     plain, hf = results["plain"].total, results.get("hf_generate")
-    out = {"model": target.name, "device": f"{target.device.type} {target.quant}", "prompts": len(prompts),
+    out = {"model": target.name, "device": target.device.type, "quant": target.quant, "prompts": len(prompts),
            "context_pad": context, "strategies": {}}
     for name, res in results.items():
         t = res.total
