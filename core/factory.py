@@ -39,7 +39,7 @@ class EngineSpec:
     vram_reserve_gb: float = 0.5      # GPU memory left to other programs
 
 
-# The tree of an engine built without a tuner (load_engine, tests), and the first drafter's before
+# The tree of an engine built without a tuner (the bench's fixed strategies, tests), and the first drafter's before
 # the tuner's first plan. Measured on the 2-core CPU (oneDNN linears): one level of 4 siblings won a
 # grid of 6 shapes; on a GPU a verify costs nearly the same for 1 or 60 tokens: EAGLE-2's own trees.
 DEFAULT_TREES = {"cpu": TreeConfig(depth=0, top_k=4, total_tokens=5), "cuda": TreeConfig(depth=5, top_k=8, total_tokens=48)}
@@ -56,11 +56,6 @@ class Loaded:
     placement: Placement | None   # how the weights were placed on the GPU; None on CPU
     onednn: bool                  # CPU linears run through oneDNN
     profile_cached: bool          # the latency profile came from the cache (no measuring at start)
-
-
-def load_engine(spec: EngineSpec) -> Engine:
-    target, _, _ = load_fast_target(spec)
-    return Engine(target, make_drafter(target, spec))
 
 
 def load_tuned(spec: EngineSpec, probe: Probe | None = None) -> Loaded:
@@ -90,9 +85,7 @@ def tree_budget(target: Target, pins: Pins, sizes: tuple[int, ...], reserve: int
     context = min(PLANNED_CONTEXT, shape.context_len)
     dtype_bytes = target.dtype.itemsize
     if target.device.type == "cuda":
-        index = target.device.index or 0
-        gpus = {g.index: g for g in (probe or Probe(load_nvml())).read_gpus()}
-        free = gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
+        free = gpu_free(target.device, probe)
     else:
         free = psutil.virtual_memory().available
     available = free - reserve - context * target_kv_per_token(shape, dtype_bytes)
@@ -120,13 +113,17 @@ def load_fast_target(spec: EngineSpec, probe: Probe | None = None) -> tuple[Targ
     resolved = resolve(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
     placement = None
     if resolved.device.type == "cuda":
-        index = resolved.device.index or 0
-        gpus = {g.index: g for g in (probe or Probe(load_nvml())).read_gpus()}
-        free = gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
-        placement = plan_placement(ModelShape.from_config(resolved.config), resolved.quant,
-                                   resolved.dtype.itemsize, free, int(spec.vram_reserve_gb * GIB))
+        placement = plan_placement(ModelShape.from_config(resolved.config), resolved.quant, resolved.dtype.itemsize,
+                                   gpu_free(resolved.device, probe), int(spec.vram_reserve_gb * GIB))
     target = load_resolved(resolved, placement.gpu_weight_bytes if placement else None)
     return target, accelerate_cpu(target), placement
+
+
+def gpu_free(device: torch.device, probe: Probe | None) -> int:
+    """Free bytes on the card, as NVML sees it (all processes), else as the CUDA driver does."""
+    index = device.index or 0
+    gpus = {g.index: g for g in (probe or Probe(load_nvml())).read_gpus()}
+    return gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
 
 
 def make_drafter(target: Target, spec: EngineSpec):

@@ -57,3 +57,12 @@ def tiny_dir(tmp_path_factory, tokenizer) -> Path:
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def load_tuned_tiny(tiny_dir: Path, cache_dir: Path):
+    """The tiny model with a random EAGLE head, pinned to EAGLE, tuned as the app does. Give each
+    module its own cache folder: a profile saved by another module would be reused."""
+    from core.factory import EngineSpec, load_tuned
+
+    return load_tuned(EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir,
+                                 head="random", strategy="eagle"))

@@ -12,7 +12,7 @@ from app.store import ChatStore
 from core.chat import ChatService, IncrementalDetokenizer, StopMatcher, round_spans
 from core.config import SamplingConfig
 from core.engine import Engine
-from core.factory import EngineSpec, load_tuned
+from tests.conftest import load_tuned_tiny
 from tests.test_chat import MULTIBYTE
 from tests.test_speculative import OracleDrafter
 from tests.test_ui_handlers import session
@@ -23,9 +23,7 @@ HELLO = [{"role": "user", "content": "Say hello to the comparison."}]
 @pytest.fixture(scope="module")
 def loaded(tiny_dir, tmp_path_factory):
     # A cache of its own: test_monitor checks that its load measures the latency profile.
-    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=tmp_path_factory.mktemp("ab-cache"),
-                      head="random", strategy="eagle")
-    return load_tuned(spec)
+    return load_tuned_tiny(tiny_dir, tmp_path_factory.mktemp("ab-cache"))
 
 
 def answer(service, max_new=32, strategy=None):

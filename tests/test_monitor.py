@@ -10,10 +10,10 @@ from app import monitor
 from app.store import ChatStore
 from core.chat import ChatService
 from core.config import ReplyStats, SamplingConfig
-from core.factory import EngineSpec, load_tuned
 from core.monitor import engine_memory, gpu_bars, snapshot, storage, tensor_bytes
 from core.probe import GpuReading, Probe
 from core.profile import cached_profile
+from tests.conftest import load_tuned_tiny
 from tests.test_tuner import FakeNvml
 
 GIB = 2**30
@@ -23,9 +23,7 @@ HELLO = [{"role": "user", "content": "Say hello to the tuner."}]
 @pytest.fixture(scope="module")
 def loaded(tiny_dir, tmp_path_factory):
     # Its own cache folder: another module's load of the same model would leave a profile to reuse.
-    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=tmp_path_factory.mktemp("cache"),
-                      head="random", strategy="eagle")
-    return load_tuned(spec)
+    return load_tuned_tiny(tiny_dir, tmp_path_factory.mktemp("cache"))
 
 
 def answer(service, max_new=24):
