@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Aerie's launcher and only composition root.
 
-    python3 launch.py [--model M] [--quant nf4|none] ...   set up on first run, then chat in the browser
+    python3 launch.py [--model M] [--quant nf4|int4|int8|none] ...   set up on first run, then chat in the browser
     python3 launch.py test [pytest args]                    set up with the test extras, run the tests
     python3 launch.py bench [--head H] ...                  every decoding strategy on MT-bench prompts
     python3 launch.py train --out DIR [--model M] ...       train an EAGLE head by self-distillation
@@ -26,10 +26,11 @@ import venv
 from pathlib import Path
 from typing import NoReturn
 
+from models.quants import QUANTS  # torch-free, so the bootstrap and --help can read it
+
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / "aerie-setup.json"
-QUANTS = ("nf4", "none")  # as models.target.QUANTS; repeated here so --help needs no torch
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # addresses that serve this machine only
 # PyPI's torch for Windows is CPU-only (Linux's has CUDA, macOS's has Metal): with an NVIDIA GPU,
 # Windows takes torch from PyTorch's CUDA 12.8 index instead, which covers GPUs up to Blackwell.
@@ -125,7 +126,7 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.py" + (" bench" if bench else ""), description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), none = full precision (default on CPU)")
+    p.add_argument("--quant", choices=QUANTS, help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), int4/int8 = torch CPU kernels (int4 is the CPU default), none = full precision")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
@@ -161,7 +162,7 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.py train", description="Aerie: train an EAGLE draft head by self-distillation.")
     p.add_argument("--out", type=Path, required=True, help="folder for the head (model.safetensors + config.json), checkpoint and logs")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="target weights, as for chatting (default: nf4 on CUDA, none on CPU)")
+    p.add_argument("--quant", choices=QUANTS, help="target weights, as for chatting (default: nf4 on CUDA, int4 on CPU)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--answers", type=Path, nargs="+", help="distill jsonl files or folders of them (default for the embedded model: ../shared/distill/smollm2-135m-instruct)")
@@ -217,7 +218,7 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
                                 "prompts, continuously batched, appended to a distill jsonl (rerun to resume).")
     p.add_argument("--out", type=Path, help="distill jsonl to append to; prompts already in it are skipped")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU)")
+    p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, int4 on CPU)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "prompts" / "mix_v1.jsonl",

@@ -223,7 +223,7 @@ class ChatService:
                stop_strings: tuple[str, ...], cancel: threading.Event,
                strategy: str | None) -> Iterator[ReplyEvent]:
         engine, tokenizer = self.engine, self.engine.target.tokenizer
-        budget = engine.target.context_len - min(sampling.max_new_tokens, engine.target.context_len // 2)
+        budget = engine.context_len - min(sampling.max_new_tokens, engine.context_len // 2)
         fitted = fit_context(tokenizer, messages, system_prompt, budget)
         notice = (f"Dropped the {fitted.dropped_turns} oldest turn(s) to fit the model's context."
                   if fitted.dropped_turns else None)

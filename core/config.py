@@ -2,9 +2,7 @@
 
 from dataclasses import dataclass
 
-# Target weights: nf4 = 4-bit bitsandbytes (CUDA), none = the compute dtype. models/target.py holds
-# the same list (it cannot import core) and launch.py too (its bootstrap imports nothing of Aerie).
-QUANTS = ("nf4", "none")
+from models.quants import QUANTS  # noqa: F401  (re-exported for app/, which imports core only)
 
 
 @dataclass(frozen=True)

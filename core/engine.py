@@ -4,9 +4,9 @@ It sees token ids only and knows nothing about text, chat templates or the UI. `
 generator of `StepResult`s; each round reads draft -> verify -> accept -> commit, whatever the
 drafter (plain decoding is the drafter that proposes nothing: a tree of just the root).
 
-Cache invariant between rounds: the cache holds the KV of every committed token except the
-newest one, the root, which the next round feeds first. `cached_ids` mirrors it on the host so a
-new turn that shares a prefix with the last one (a chat's history) skips re-encoding it.
+Cache invariant between rounds: the runner's cache holds the KV of every committed token except
+the newest one, the root, which the next round feeds first. `runner.ids` mirrors it on the host so
+a new turn that shares a prefix with the last one (a chat's history) skips re-encoding it.
 """
 
 import os
@@ -19,10 +19,10 @@ import torch
 
 from core.config import SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError
-from core.kv import SlabCache
 from core.sampling import sample, target_probs
 from core.drafters import PlainDrafter
-from core.tree import DraftTree, tree_attention_mask, tree_position_ids
+from core.runner import RunnerConfig, TargetRunner, Verified
+from core.tree import DraftTree
 from core.verify import Acceptance, accept_greedy, accept_sampled, path_offers
 from models.target import Target
 
@@ -38,12 +38,6 @@ class StepResult:
     commit_s: float             # acceptance and the KV commit
     finish: str | None = None   # "eos" | "length" | None
     offers: tuple[tuple[int, int], ...] = ()  # (children, accepted rank) along the path: verify.path_offers
-
-
-@dataclass(frozen=True)
-class Verified:
-    logits: torch.Tensor                 # (T, V) target logits after each kept token; (1, V) after a prefill
-    features: torch.Tensor | None        # (T, F) the target features the drafter asked for, else None
 
 
 class Drafter(Protocol):
@@ -64,35 +58,49 @@ class Drafter(Protocol):
 
 
 class Engine:
-    def __init__(self, target: Target, drafter: Drafter | None = None):
+    def __init__(self, target: Target, drafter: Drafter | None = None, runner: TargetRunner | None = None):
         self.target = target
         self.drafter = drafter or PlainDrafter()
-        self.cache = SlabCache()
-        self.cached_ids: list[int] = []
+        # Without a runner: the eager one (the tests' reference), giving the drafter the features it reads.
+        self.runner = runner or TargetRunner(target, RunnerConfig(compile=False), self.drafter.feature_layers)
+        self._check_features(self.drafter)
 
     @property
     def device(self) -> torch.device:
         return self.target.device
 
+    @property
+    def context_len(self) -> int:
+        return self.runner.context_len
+
+    @property
+    def cached_ids(self) -> list[int]:
+        return self.runner.ids
+
     def set_drafter(self, drafter: Drafter) -> None:
         """Switch drafters between turns. The incoming one forgets what it held: the chat may have
         moved on while it was idle, so the next prompt is encoded afresh for it."""
         if drafter is not self.drafter:
+            self._check_features(drafter)
             self.drafter = drafter
             drafter.rewind(0)
 
+    def _check_features(self, drafter: Drafter) -> None:
+        if drafter.feature_layers is not None and drafter.feature_layers != self.runner.feature_layers:
+            raise ValueError(f"the {drafter.name} drafter reads target layers {drafter.feature_layers}; "
+                             f"the runner captures {self.runner.feature_layers}")
+
     def reset(self) -> None:
-        self.cache = SlabCache()
-        self.cached_ids = []
+        self.runner.reset()
         self.drafter.rewind(0)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig,
                  cancel: threading.Event | None = None) -> Iterator[StepResult]:
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt token")
-        if len(prompt_ids) >= self.target.context_len:
+        if len(prompt_ids) >= self.context_len:
             raise ContextOverflowError(
-                f"The prompt has {len(prompt_ids)} tokens; the model's context holds {self.target.context_len}.")
+                f"The prompt has {len(prompt_ids)} tokens; the model's context holds {self.context_len}.")
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         rng = torch.Generator(device=self.device).manual_seed(seed)
         try:
@@ -117,7 +125,7 @@ class Engine:
             new = step.result.new_ids
             # Stop at EOS or the token budget even when the round accepted past it.
             cut = next((i + 1 for i, t in enumerate(new) if t in self.target.eos_ids), len(new))
-            cut = min(cut, sampling.max_new_tokens - produced, self.target.context_len - len(context))
+            cut = min(cut, sampling.max_new_tokens - produced, self.context_len - len(context))
             new = new[:cut]
             context += new
             produced += len(new)
@@ -128,21 +136,15 @@ class Engine:
     def finish(self, last: int, produced: int, length: int, sampling: SamplingConfig) -> str | None:
         if last in self.target.eos_ids:
             return "eos"
-        if produced >= sampling.max_new_tokens or length >= self.target.context_len:
+        if produced >= sampling.max_new_tokens or length >= self.context_len:
             return "length"
         return None
 
     @torch.inference_mode()  # per call, not around the generator: Gradio may resume it on another thread
     def prefill(self, prompt: list[int]) -> Verified:
         """Encode the prompt, reusing the longest prefix already in the cache."""
-        reuse = self.drafter.rewind(common_prefix(self.cached_ids, prompt[:-1]))  # feed >= 1 token
-        self.cache.truncate(reuse)
-        self.cached_ids = self.cached_ids[:reuse]
-        ids = torch.tensor([prompt[reuse:]], device=self.device)  # (1, T)
-        positions = torch.arange(reuse, len(prompt), device=self.device)[None]  # (1, T)
-        verified = self.forward(ids, positions, None, last_logits_only=True)
-        self.cached_ids = list(prompt)
-        return verified
+        reuse = self.drafter.rewind(common_prefix(self.runner.ids, prompt[:-1]))  # feed >= 1 token
+        return self.runner.prefill(prompt[reuse:], reuse)
 
     @torch.inference_mode()
     def step(self, context: list[int], verified: Verified, sampling: SamplingConfig,
@@ -163,12 +165,7 @@ class Engine:
         return Round(result, kept(verified, acceptance.nodes))
 
     def verify(self, tree: DraftTree) -> Verified:
-        past = len(self.cached_ids)
-        ids = tree.tokens.to(self.device)[None]  # (1, N)
-        positions = tree_position_ids(tree, past).to(self.device)  # (1, N)
-        # A lone root sees the whole past: the model's own causal mask is exact and cheaper.
-        mask = None if tree.size == 1 else tree_attention_mask(tree, past, self.target.dtype).to(self.device)
-        return self.forward(ids, positions, mask)
+        return self.runner.verify(tree.tokens, tree.depth, tree.ancestor_mask)
 
     def accept(self, tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,
                rng: torch.Generator) -> Acceptance:
@@ -178,27 +175,13 @@ class Engine:
 
     def commit(self, acceptance: Acceptance, tree: DraftTree) -> None:
         """Keep the KV of the root and the accepted path; drop the rest of the tree."""
-        past = len(self.cached_ids)
-        if tree.size > 1:
-            self.cache.keep(past, acceptance.nodes)
-        self.cached_ids += tree.tokens[acceptance.nodes].tolist()
+        self.runner.commit(acceptance.nodes, tree.tokens[acceptance.nodes].tolist())
 
     def choose(self, logits: torch.Tensor, sampling: SamplingConfig, rng: torch.Generator) -> int:
         """logits (V,) -> the next token, exactly as a one-node tree would accept it."""
         if sampling.greedy:
             return int(logits.argmax())
         return int(sample(target_probs(logits, sampling), rng))
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                last_logits_only: bool = False) -> Verified:
-        layers = self.drafter.feature_layers
-        # A prefill needs the next-token logits of its last position only: (T, V) would not fit for long prompts.
-        out = self.target.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache,
-                                use_cache=True, output_hidden_states=layers is not None,
-                                logits_to_keep=1 if last_logits_only else 0)
-        features = None if layers is None else torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
-        return Verified(out.logits[0].float(), features)
-
 
 @dataclass(frozen=True)
 class Round:

@@ -72,7 +72,7 @@ def engine_memory(engine) -> EngineMemory:
         draft = tensor_bytes(own + extra) + engine.drafter.cache.nbytes()
     device = engine.target.device
     name = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
-    return EngineMemory(name, tensor_bytes(weights), engine.cache.nbytes(), draft)
+    return EngineMemory(name, tensor_bytes(weights), engine.runner.cache_bytes(), draft)
 
 
 def snapshot(probe: Probe, engine) -> Snapshot:

@@ -118,7 +118,7 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
     """Time the engine's target (and its EAGLE drafter's head, if any) as described above. Leaves
     the engine reset. Token ids are arbitrary: cost does not depend on them."""
     t0 = time.perf_counter()
-    long_ = max(SHORT_CONTEXT + 1, min(LONG_CONTEXT, engine.target.context_len - max(sizes) - 1))
+    long_ = max(SHORT_CONTEXT + 1, min(LONG_CONTEXT, engine.context_len - max(sizes) - 1))
     ids = torch.randint(0, engine.target.model.config.get_text_config().vocab_size, (long_ + max(sizes),),
                         generator=torch.Generator().manual_seed(0)).tolist()
     short_ms = monotone(time_rounds(engine, ids, SHORT_CONTEXT, sizes))
@@ -158,8 +158,7 @@ def time_rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) ->
     def once(tree) -> None:
         verified = engine.verify(tree)
         engine.commit(engine.accept(tree, verified.logits, greedy, rng), tree)
-        engine.cache.truncate(context)
-        engine.cached_ids = engine.cached_ids[:context]
+        engine.runner.truncate(context)
 
     best = [float("inf")] * len(sizes)
     for rep in range(REPEATS + 1):  # pass 0 warms up: first-call allocations and kernel selection

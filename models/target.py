@@ -16,9 +16,11 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+from models.cpu_quant import quantize_cpu
 from models.download import MODEL_PATTERNS, hub_cache
 from models.embedded import EMBEDDED_NAME, embedded_model_dir
 from models.errors import ModelLoadError, UnsupportedModelError
+from models.quants import CPU_QUANTS, QUANTS
 
 # Decoder-only architectures whose HF implementation takes a 4D attention mask, explicit
 # position ids and a `Cache` object, and whose every layer is full attention.
@@ -28,13 +30,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-QUANTS = ("nf4", "none")
 
 
 @dataclass(frozen=True)
 class LoadSpec:
     model: str | None = None      # Hub id, local folder, or None for the embedded default
-    quant: str | None = None      # "nf4" or "none"; None = nf4 on CUDA, none on CPU
+    quant: str | None = None      # "nf4", "int4", "int8" or "none"; None = nf4 on CUDA, int4 on CPU
     device: str | None = None     # "cuda", "cuda:1", "cpu"; None = CUDA when available
     cache_dir: Path = Path.home() / ".cache" / "aerie"
 
@@ -60,9 +61,11 @@ def default_device() -> torch.device:
 
 
 def resolve_quant(quant: str | None, device: torch.device) -> str:
-    quant = quant or ("nf4" if device.type == "cuda" else "none")
+    quant = quant or ("nf4" if device.type == "cuda" else "int4")
     if quant not in QUANTS:
         raise UnsupportedModelError(f"Unknown quantization '{quant}': choose one of {', '.join(QUANTS)}.")
+    if quant in CPU_QUANTS and device.type != "cpu":
+        raise UnsupportedModelError(f"--quant {quant} runs on torch's CPU kernels; on a GPU use nf4 or none.")
     if quant == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
         raise UnsupportedModelError("--quant nf4 needs the bitsandbytes package: install it, or use --quant none.")
     return quant
@@ -171,6 +174,8 @@ def load_resolved(r: Resolved, gpu_weight_bytes: int | None = None) -> Target:
     try:
         tokenizer = AutoTokenizer.from_pretrained(r.model_dir)
         model = AutoModelForCausalLM.from_pretrained(r.model_dir, **kwargs).eval()
+        if r.quant in CPU_QUANTS:
+            quantize_cpu(model, r.quant)
     except torch.cuda.OutOfMemoryError as e:
         raise ModelLoadError(f"Not enough GPU memory to load {r.model_dir.name}; try a smaller model.") from e
     except (OSError, ValueError, SafetensorError) as e:

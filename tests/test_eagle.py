@@ -41,7 +41,7 @@ def test_random_heads_are_lossless(kind, draft_vocab, shape):
     assert all(s.tree_size <= most for s in steps[1:])
     if shape.choices:
         assert all(s.tree_size == most for s in steps[1:])
-    assert drafter.head_len <= len(engine.cached_ids) == engine.cache.get_seq_length()
+    assert drafter.head_len <= len(engine.cached_ids) == engine.runner.length == int(engine.runner.cache.get_seq_length())
 
 
 def test_multi_turn_prefix_reuse_keeps_the_head_in_step():

@@ -79,7 +79,7 @@ def test_engine_memory_counts_roles_once(loaded):
     params = list(engine.target.model.parameters()) + list(engine.target.model.buffers())
     assert mem.weights == tensor_bytes(params) and mem.device == "cpu"
     assert tensor_bytes(params + params) == mem.weights  # a tensor listed twice counts once
-    assert mem.kv == engine.cache.nbytes() > 0
+    assert mem.kv == engine.runner.cache_bytes() > 0
     head = engine.drafter.head
     own = [t for t in [*head.parameters(), *head.buffers()] if all(t is not w for w in params)]
     assert engine.drafter.cache.nbytes() > 0

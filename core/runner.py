@@ -1,0 +1,223 @@
+"""The target runner: every target forward the engine makes, for every strategy, plain included.
+
+Four calls: `prefill` a prompt, `verify` a tree, `commit` the accepted rows, `reset` for a new chat.
+The KV lives in one transformers `StaticCache` per runner, allocated once for the whole context
+(capacity C = context + the largest bucket): a forward writes its N rows at [L, L+N) and a commit
+moves the accepted rows to [L, L+a) and rewinds the cache's length counter. The runner keeps a
+host mirror L of that length, so it never reads the device.
+
+Verify sizes come in a few fixed buckets: a tree of n nodes is padded to the smallest bucket >= n,
+and with `compile` each bucket's forward is one `torch.compile`d graph (a CUDA graph on GPUs).
+Masks are built here, outside the graph, as additive (1, 1, Nb, Lk) tensors; the attention
+function registered below reads only the first Lk cache rows. On CPU Lk is L+N rounded up to a
+256-row block and a symbolic size in the graph, so attention costs what the chat's length costs
+and no length recompiles; on CUDA Lk is the whole capacity, one shape per bucket for the graphs.
+Padding rows see only themselves and are dropped at commit.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from core.budget import PLANNED_CONTEXT
+from models.target import Target
+
+ATTENTION = "aerie_tree"
+CPU_BUCKETS = (1, 2, 4, 8)                  # trees stop paying past ~8 on a 2-core CPU (the profile)
+CUDA_BUCKETS = (1, 4, 8, 16, 32, 48, 64)
+CPU_KV_BLOCK = 256
+PREFILL_CHUNK = 512
+
+
+def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over the first Lk cache rows with GQA folded into the query axis.
+
+    query (B, Hq, N, D); key, value (B, Hkv, C, D), the whole static buffer; attention_mask
+    (B, 1, N, Lk) additive. Query head h reads KV head h // r (r = Hq / Hkv), so viewing the queries
+    as (B, Hkv, r*N, D) lets one SDPA per KV head serve all r query heads, with no copy of K/V.
+    """
+    if attention_mask is None or attention_mask.dim() != 4:  # a 2D-mask caller (e.g. generate()): plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    batch, q_heads, n, dim = query.shape
+    kv_heads, lk = key.shape[1], attention_mask.shape[-1]
+    r = q_heads // kv_heads
+    folded = query.reshape(batch, kv_heads, r * n, dim)                      # (B, Hkv, r*N, D)
+    mask = attention_mask.repeat(1, 1, r, 1) if r > 1 else attention_mask     # (B, 1, r*N, Lk)
+    out = F.scaled_dot_product_attention(folded, key[:, :, :lk], value[:, :, :lk], attn_mask=mask, scale=scaling)
+    return out.reshape(batch, q_heads, n, dim).transpose(1, 2).contiguous(), None  # (B, N, Hq, D)
+
+
+def register_attention() -> None:
+    """Register under ATTENTION (idempotent); with sdpa's mask function so a 2D mask stays causal."""
+    AttentionInterface.register(ATTENTION, tree_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    compile: bool = True                 # one compiled graph per bucket; False = the eager reference path
+    buckets: tuple[int, ...] | None = None   # None = the device's (CPU_BUCKETS / CUDA_BUCKETS)
+    context: int = PLANNED_CONTEXT       # KV rows kept for the chat (capped at the model's context)
+
+
+@dataclass(frozen=True)
+class Verified:
+    logits: torch.Tensor                 # (T, V) fp32 target logits after each kept token; (1, V) after a prefill
+    features: torch.Tensor | None        # (T, F) the target features the drafter reads, else None
+
+
+class TargetRunner:
+    def __init__(self, target: Target, config: RunnerConfig = RunnerConfig(),
+                 feature_layers: tuple[int, ...] | None = None):
+        self.target, self.feature_layers = target, feature_layers
+        self.device, self.dtype = target.device, target.dtype
+        cuda = self.device.type == "cuda"
+        offloaded = bool(getattr(target.model, "hf_device_map", None)) and len(set(target.model.hf_device_map.values())) > 1
+        self.buckets = tuple(sorted(config.buckets or (CUDA_BUCKETS if cuda else CPU_BUCKETS)))
+        self.compiled = config.compile and not offloaded  # accelerate's offload hooks move weights per call
+        self.context_len = min(target.context_len, config.context)
+        self.capacity = self.context_len + self.buckets[-1]
+        self.kv_block = self.capacity if cuda else CPU_KV_BLOCK
+        register_attention()
+        target.model.set_attn_implementation(ATTENTION)
+        text = target.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.cache = StaticCache(config=target.model.config, max_cache_len=self.capacity)
+        self.cache.early_initialization(1, text.num_key_value_heads, head_dim, self.dtype, self.device)
+        self.length = 0                  # L, the cache's length counter mirrored on the host
+        self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
+        self.verified_at = 0             # L before the last verify: where commit moves the kept rows
+        self._graphs: dict[int, object] = {}
+        self.compile_s = 0.0
+
+    # ------------------------------------------------------------------ the four calls
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], start: int) -> Verified:
+        """Feed `ids` at positions start.. after truncating the cache to `start`; -> the logits after
+        the last token (1, V) and the features of every fed token. Eager, in causal chunks."""
+        self.truncate(start)
+        logits, features = None, []
+        for lo in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[lo: lo + PREFILL_CHUNK]
+            length = self.length
+            token_ids = torch.tensor([chunk], device=self.device)                                  # (1, T)
+            positions = torch.arange(length, length + len(chunk), device=self.device)[None]        # (1, T)
+            visible = torch.ones(len(chunk), len(chunk), dtype=torch.bool, device=self.device).tril()
+            hidden, feats = self.forward(token_ids, positions, self.mask(visible, length))
+            logits = self.target.model.get_output_embeddings()(hidden[-1:]).float()                 # (1, V)
+            features.append(feats)
+            self.length += len(chunk)
+            self.ids += chunk
+        return Verified(logits, torch.cat(features) if self.feature_layers is not None else None)
+
+    @torch.inference_mode()
+    def verify(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> Verified:
+        """tokens (n,) at positions L + depth (n,), visible (n, n) bool (a tree's ancestor mask):
+        one forward of the smallest bucket that holds them; -> logits and features of the n rows."""
+        n, length = tokens.shape[0], self.length
+        size = next((b for b in self.buckets if b >= n), n)   # past the largest bucket: eager, unpadded
+        if length + size > self.capacity:
+            raise ValueError(f"a {n}-token verify after {length} tokens overflows the {self.capacity}-row cache")
+        token_ids = torch.zeros(1, size, dtype=torch.long, device=self.device)
+        token_ids[0, :n] = tokens.to(self.device)
+        positions = torch.full((1, size), length, dtype=torch.long, device=self.device)
+        positions[0, :n] += depth.to(self.device)
+        padded = torch.eye(size, dtype=torch.bool, device=self.device)  # padding rows see only themselves
+        padded[:n, :n] = visible.to(self.device)
+        hidden, features = self.graph(size)(token_ids, positions, self.mask(padded, length))
+        logits = self.target.model.get_output_embeddings()(hidden[:n]).float()                      # (n, V)
+        self.verified_at, self.length = length, length + size
+        return Verified(logits, None if features is None else features[:n].clone())
+
+    def commit(self, rows: torch.Tensor, tokens: list[int]) -> None:
+        """Keep rows `rows` of the last verify (root first; their token ids `tokens`) at [L, L+a)."""
+        start = self.verified_at
+        source = rows.to(self.device) + start
+        for layer in self.cache.layers:
+            layer.keys[:, :, start: start + len(rows)] = layer.keys.index_select(2, source)  # index_select copies
+            layer.values[:, :, start: start + len(rows)] = layer.values.index_select(2, source)
+        self.ids = self.ids[:start] + list(tokens)
+        self.truncate(start + len(rows))
+
+    def truncate(self, length: int) -> None:
+        """Forget every cached row at positions >= length."""
+        self.length = min(self.length, length)
+        self.ids = self.ids[: self.length]
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self.length)
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    # ------------------------------------------------------------------ graphs and masks
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        """(1, T) ids and positions, (1, 1, T, Lk) mask -> final hidden states (T, H) and the
+        requested features (T, F) or None. The function each bucket's graph compiles."""
+        out = self.target.model.get_decoder()(input_ids=token_ids, position_ids=positions, attention_mask=mask,
+                                               cache=self.cache, use_cache=True,
+                                               output_hidden_states=self.feature_layers is not None)
+        features = None
+        if self.feature_layers is not None:
+            features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
+        return out.last_hidden_state[0], features
+
+    def graph(self, size: int):
+        """The forward for a bucket: compiled once per bucket (on first use, or in warm_up)."""
+        if not self.compiled or size not in self.buckets:
+            return self.forward
+        if size not in self._graphs:
+            self._graphs[size] = self._compile()
+        return self._graphs[size]
+
+    def _compile(self):
+        if self.device.type == "cuda":  # CUDA graphs; the cloned outputs survive the next replay
+            compiled = torch.compile(self.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+            def replay(*args):
+                torch.compiler.cudagraph_mark_step_begin()
+                hidden, features = compiled(*args)
+                return hidden.clone(), None if features is None else features.clone()
+            return replay
+        # Freezing folds the (constant) weights into the graph; Lk, the mask's width, stays symbolic.
+        compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options={"freezing": True})
+
+        def run(token_ids, positions, mask):
+            torch._dynamo.mark_dynamic(mask, 3)
+            return compiled(token_ids, positions, mask)
+        return run
+
+    def warm_up(self, report=None) -> float:
+        """Compile every bucket now (a chat's first rounds would otherwise pay it); -> seconds."""
+        if not self.compiled:
+            return 0.0
+        t0 = time.perf_counter()
+        for i, size in enumerate(self.buckets):
+            if report is not None:
+                report(f"Compiling the target's forward for {size}-token trees ({i + 1}/{len(self.buckets)})")
+            self.reset()
+            self.verify(torch.zeros(size, dtype=torch.long), torch.arange(size),
+                        torch.ones(size, size, dtype=torch.bool).tril())
+        self.reset()
+        self.compile_s = time.perf_counter() - t0
+        return self.compile_s
+
+    def mask(self, visible: torch.Tensor, length: int) -> torch.Tensor:
+        """visible (T, T) bool over the T new rows -> additive (1, 1, T, Lk): every row sees the L
+        committed rows and the new rows marked visible; columns past L+T are blocked."""
+        t = visible.shape[0]
+        lk = min(self.capacity, -(-(length + t) // self.kv_block) * self.kv_block)
+        blocked = torch.finfo(self.dtype).min
+        mask = torch.full((1, 1, t, lk), blocked, dtype=self.dtype, device=self.device)
+        mask[0, 0, :, :length] = 0
+        mask[0, 0, :, length: length + t].masked_fill_(visible, 0)
+        return mask
+
+    def cache_bytes(self) -> int:
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
