@@ -137,6 +137,8 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--vram-reserve", type=float, default=0.5, metavar="GB",
                    help="GPU memory (GiB) to leave to other programs; a model that does not fit beside it is partly offloaded to RAM")
+    p.add_argument("--no-compile", action="store_true",
+                   help="run the target's forward eagerly instead of one compiled graph per tree size (slower; no compile at first start)")
     if bench:
         p.add_argument("--prompts", type=Path, default=ROOT / "assets" / "bench" / "mt_bench.jsonl", help="MT-bench style jsonl (first turns are used; default: the 80 MT-bench questions)")
         p.add_argument("--limit", type=positive, help="number of prompts, picked round-robin across categories")
@@ -162,7 +164,7 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.py train", description="Aerie: train an EAGLE draft head by self-distillation.")
     p.add_argument("--out", type=Path, required=True, help="folder for the head (model.safetensors + config.json), checkpoint and logs")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="target weights, as for chatting (default: nf4 on CUDA, int4 on CPU)")
+    p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU: at many rows fp32 oneDNN beats the int4 kernel)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--answers", type=Path, nargs="+", help="distill jsonl files or folders of them (default for the embedded model: ../shared/distill/smollm2-135m-instruct)")
@@ -218,7 +220,7 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
                                 "prompts, continuously batched, appended to a distill jsonl (rerun to resume).")
     p.add_argument("--out", type=Path, help="distill jsonl to append to; prompts already in it are skipped")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, int4 on CPU)")
+    p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU: at many rows fp32 oneDNN beats the int4 kernel)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "prompts" / "mix_v1.jsonl",
@@ -242,10 +244,10 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def target_spec(args: argparse.Namespace):
+def target_spec(args: argparse.Namespace, batched: bool = False):
     from models.target import LoadSpec
 
-    return LoadSpec(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir)
+    return LoadSpec(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, batched=batched)
 
 
 def engine_spec(args: argparse.Namespace, **overrides):
@@ -261,7 +263,7 @@ def engine_spec(args: argparse.Namespace, **overrides):
     tree = static or (TreeConfig(**shape) if shape else None)  # the first turn's tree; then the tuner's
     fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=head,
                   allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"), tree=tree,
-                  pins=Pins(static=static, **shape), vram_reserve_gb=args.vram_reserve)
+                  pins=Pins(static=static, **shape), vram_reserve_gb=args.vram_reserve, compile=not args.no_compile)
     return EngineSpec(**{**fields, **overrides})
 
 
@@ -390,7 +392,7 @@ def run_train(args: argparse.Namespace) -> None:
                           time_limit_s=args.time_limit * 60 if args.time_limit else None)
         data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
                           exclude_prompts=exclude, features_dir=args.features)
-        target = load_target(target_spec(args))
+        target = load_target(target_spec(args, batched=True))
         summary = train(target, data, cfg, args.out, resume=args.resume)
     except (AerieError, ValueError) as e:
         fail(e)
@@ -408,7 +410,7 @@ def run_generate(args: argparse.Namespace) -> None:
     if not job.prompts.is_file():
         fail(f"No prompts file at {job.prompts}.")
     try:
-        target = load_target(target_spec(args))
+        target = load_target(target_spec(args, batched=True))
         summary = compare_with_hf(target, job, args.compare_hf) if args.compare_hf else distill(target, job, args.out)
     except (AerieError, ValueError) as e:
         fail(e)

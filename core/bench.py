@@ -19,9 +19,9 @@ import torch
 from core.chat import render_prompt
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
-from core.factory import EngineSpec, load_tuned, make_drafter
+from core.factory import EngineSpec, load_tuned, make_drafter, target_load_spec
 from core.tuner import Tuner
-from models.target import Target
+from models.target import Target, load_target
 
 FILLER = "Here is some background you may ignore. "
 HF_LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
@@ -44,13 +44,15 @@ class Tally:
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
-    lossless: bool = True
+    lossless: bool | None = True   # None: a reference on other weights (hf_* on CPU)
+    tie_divergences: int = 0    # answers that left plain's only at a near-tie (runner.tie_margin)
     trees: Counter = field(default_factory=Counter)  # tuned runs: prompts per tree shape
 
     def add(self, other: "Tally") -> None:
         for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.lossless &= other.lossless
+        self.lossless = None if None in (self.lossless, other.lossless) else self.lossless and other.lossless
+        self.tie_divergences += other.tie_divergences
         self.trees.update(other.trees)
 
 
@@ -58,6 +60,7 @@ class Tally:
 class StrategyResult:
     by_category: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))
     outputs: list[list[int]] = field(default_factory=list)
+    ties: list[set[int]] = field(default_factory=list)   # per prompt: offsets of near-tie choices
     peak_mem_mb: float = 0.0
 
     @property
@@ -89,7 +92,8 @@ def prompt_ids(target: Target, prompt: Prompt, context: int) -> list[int]:
     return ids
 
 
-def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None = None) -> tuple[list[int], Tally]:
+def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None = None,
+               ties: set[int] | None = None) -> tuple[list[int], Tally]:
     """One greedy answer; with a tuner, planned and learned from as the chat does, one turn per prompt."""
     engine.reset()  # no prefix reuse across prompts: every strategy pays its own prefill
     plan = tuner.prepare(engine, len(ids)) if tuner else None
@@ -97,6 +101,8 @@ def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None
     out, t = [], Tally(trees=Counter([shape_name(plan.tree)]) if plan and plan.tree else Counter())
     t0 = time.perf_counter()
     for i, step in enumerate(engine.generate(ids, SamplingConfig(max_new_tokens=max_new))):
+        if ties is not None:
+            ties.update(len(out) + j for j in step.near_ties)
         out += step.new_ids
         t.rounds += 1
         t.accepted += step.accepted
@@ -127,6 +133,15 @@ def parse_trees(text: str | None) -> dict[str, TreeConfig]:
             raise ValueError(f"--trees takes depth,top_k,total_tokens triples like '0,4,5'; got '{item}' ({e}).") from e
         trees[f"eagle_{shape_name(tree)}"] = tree
     return trees
+
+
+def same_up_to_ties(out: list[int], plain: list[int], ties: set[int]) -> tuple[bool, bool]:
+    """-> (lossless, diverged at a near-tie): equal, or the first difference is a choice that either
+    run made by a top-2 margin within the runner's numeric tolerance (then the texts may part)."""
+    if out == plain:
+        return True, False
+    first = next((i for i, (a, b) in enumerate(zip(out, plain)) if a != b), min(len(out), len(plain)))
+    return first in ties, first in ties
 
 
 def run_hf(target: Target, ids: list[int], max_new: int, lookup: bool) -> tuple[list[int], Tally]:
@@ -166,33 +181,50 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
     if unknown:
         raise ValueError(f"Unknown strategies {', '.join(sorted(unknown))}: choose from {', '.join(known)}.")
     names = [n for n in known if strategies is None or n in strategies or n == "plain" or n in fixed_trees]
-    engines = {n: Engine(target, make_drafter(target, replace(spec, strategy=n)))
+    shared = loaded.engine.runner  # one cache and one set of compiled graphs; run_engine resets it per prompt
+    engines = {n: Engine(target, make_drafter(target, replace(spec, strategy=n)), shared)
                for n in names if n in ("plain", "prompt_lookup")}
-    engines.update({n: Engine(target, make_drafter(target, replace(spec, strategy="eagle", tree=tree)))
+    engines.update({n: Engine(target, make_drafter(target, replace(spec, strategy="eagle", tree=tree)), shared)
                     for n, tree in fixed_trees.items()})
     if "eagle" in names:
         engines["eagle"] = loaded.engine
+    # transformers' own generate runs on the model as transformers loads it (fp32 on CPU, the same NF4 on CUDA),
+    # not on ours, whose linears, attention and cache the runner has changed.
+    stock = load_target(replace(target_load_spec(spec), quant=None if target.device.type == "cuda" else "none")) \
+        if any(n.startswith("hf_") for n in names) else None
 
-    def runner(name: str, ids: list[int]) -> tuple[list[int], Tally]:
+    def runner(name: str, ids: list[int], ties: set[int]) -> tuple[list[int], Tally]:
         if name.startswith("hf_"):
-            return run_hf(target, ids, max_new, lookup=name == "hf_prompt_lookup")
-        return run_engine(engines[name], ids, max_new, tuner if name == "eagle" else None)
+            return run_hf(stock, ids, max_new, lookup=name == "hf_prompt_lookup")
+        return run_engine(engines[name], ids, max_new, tuner if name == "eagle" else None, ties)
 
     results = {name: StrategyResult() for name in names}
     all_ids = [prompt_ids(target, p, context) for p in prompts]
     run_engine(engines["plain"], all_ids[0], 8)  # warm-up: first-call allocations
     for i, (prompt, ids) in enumerate(zip(prompts, all_ids)):
         for name in names:  # interleaved, so drift on a shared machine hits every strategy alike
-            (out, tally), peak = measured(target.device, lambda: runner(name, ids))
+            ties: set[int] = set()
+            (out, tally), peak = measured(target.device, lambda: runner(name, ids, ties))
             res = results[name]
             res.outputs.append(out)
-            tally.lossless = out == results["plain"].outputs[i]
+            res.ties.append(ties)
+            if name.startswith("hf_") and stock.quant != target.quant:
+                tally.lossless = None  # other weights: a reference for speed, not for tokens
+            else:
+                tally.lossless, tied = same_up_to_ties(out, results["plain"].outputs[i], ties | results["plain"].ties[i])
+                tally.tie_divergences = int(tied)
             res.by_category[prompt.category].add(tally)
             res.peak_mem_mb = max(res.peak_mem_mb, peak)
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
     report = summarise(target, engines, prompts, results, context)
-    report["cpu_linear"] = "onednn" if loaded.onednn else "default"
+    report["cpu_linear"] = "onednn" if loaded.onednn else target.quant if target.quant in ("int4", "int8") else "default"
+    report["runner"] = {"compiled": shared.compiled, "buckets": list(shared.buckets), "compile_s": round(loaded.compile_s, 1),
+                        "tie_margin": shared.tie_margin,
+                        "verify_ms": {n: round(ms, 2) for n, ms in zip(tuner.profile.sizes, tuner.profile.round_ms)
+                                      if n in shared.buckets or not shared.compiled}}
+    if stock is not None:
+        report["hf_reference"] = f"transformers generate on {stock.label}"
     report["profile"] = {"cached": loaded.profile_cached, "plain_ms": round(tuner.profile.plain_ms(0), 2),
                          "measured_s": round(tuner.profile.measured_s, 2)}
     if "eagle" in results:
@@ -210,7 +242,7 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
         t = res.total
         entry = {"tok_s": round(t.tokens / t.seconds, 2), "accept_len": round(t.tokens / t.rounds, 3) if t.rounds else None,
                  "speedup_vs_plain": round((t.tokens / t.seconds) / (plain.tokens / plain.seconds), 3),
-                 "lossless": t.lossless, "peak_mem_mb": round(res.peak_mem_mb)}
+                 "lossless": t.lossless, "tie_divergences": t.tie_divergences, "peak_mem_mb": round(res.peak_mem_mb)}
         if hf is not None:
             h = hf.total
             entry["speedup_vs_hf"] = round((t.tokens / t.seconds) / (h.tokens / h.seconds), 3)

@@ -38,6 +38,7 @@ class StepResult:
     commit_s: float             # acceptance and the KV commit
     finish: str | None = None   # "eos" | "length" | None
     offers: tuple[tuple[int, int], ...] = ()  # (children, accepted rank) along the path: verify.path_offers
+    near_ties: tuple[int, ...] = ()  # greedy: offsets into new_ids chosen by a top-2 margin < runner.tie_margin
 
 
 class Drafter(Protocol):
@@ -116,7 +117,8 @@ class Engine:
         first = self.choose(verified.logits[-1], sampling, rng)
         context, produced = prompt + [first], 1
         yield StepResult((first,), 0, 0, len(prompt), 0.0, time.perf_counter() - t0, 0.0,
-                         self.finish(first, produced, len(context), sampling))
+                         self.finish(first, produced, len(context), sampling),
+                         near_ties=self.near_ties(verified.logits[-1:], sampling))
         while self.finish(context[-1], produced, len(context), sampling) is None:
             if cancel is not None and cancel.is_set():
                 return
@@ -131,6 +133,7 @@ class Engine:
             produced += len(new)
             finish = self.finish(context[-1], produced, len(context), sampling)
             yield replace(step.result, new_ids=tuple(new), accepted=min(step.result.accepted, len(new) - 1),
+                          near_ties=tuple(i for i in step.result.near_ties if i < len(new)),
                           finish=finish)
 
     def finish(self, last: int, produced: int, length: int, sampling: SamplingConfig) -> str | None:
@@ -161,7 +164,8 @@ class Engine:
         self.commit(acceptance, tree)
         t3 = time.perf_counter()
         result = StepResult(tuple(acceptance.new_tokens), acceptance.accepted, tree.max_depth, tree.size,
-                            t1 - t0, t2 - t1, t3 - t2, offers=path_offers(tree, acceptance, getattr(self.drafter, "root_ranking", None)))
+                            t1 - t0, t2 - t1, t3 - t2, offers=path_offers(tree, acceptance, getattr(self.drafter, "root_ranking", None)),
+                            near_ties=self.near_ties(verified.logits[acceptance.nodes.to(verified.logits.device)], sampling))
         return Round(result, kept(verified, acceptance.nodes))
 
     def verify(self, tree: DraftTree) -> Verified:
@@ -176,6 +180,15 @@ class Engine:
     def commit(self, acceptance: Acceptance, tree: DraftTree) -> None:
         """Keep the KV of the root and the accepted path; drop the rest of the tree."""
         self.runner.commit(acceptance.nodes, tree.tokens[acceptance.nodes].tolist())
+
+    def near_ties(self, rows: torch.Tensor, sampling: SamplingConfig) -> tuple[int, ...]:
+        """rows (k, V): the logits that chose each new token. A greedy choice whose top-2 margin is
+        below the runner's numeric tolerance could flip between a tree's verify and one token's,
+        so speculative and plain output may differ there, and only there."""
+        if not sampling.greedy:
+            return ()
+        top2 = rows.topk(2, dim=-1).values                            # (k, 2)
+        return tuple(torch.nonzero(top2[:, 0] - top2[:, 1] < self.runner.tie_margin).flatten().tolist())
 
     def choose(self, logits: torch.Tensor, sampling: SamplingConfig, rng: torch.Generator) -> int:
         """logits (V,) -> the next token, exactly as a one-node tree would accept it."""

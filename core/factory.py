@@ -14,6 +14,7 @@ from core.cpu_linear import accelerate_cpu
 from core.drafters import PlainDrafter, PromptLookupDrafter
 from core.eagle import EagleDrafter
 from core.engine import Engine
+from core.runner import RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
 from core.probe import Probe, load_nvml
 from core.profile import LARGE_SIZES, SIZES, cached_profile, measure_profile, profile_key
@@ -37,6 +38,7 @@ class EngineSpec:
     tree: TreeConfig | None = None    # the EAGLE tree before the tuner's first plan; None = the device's default
     pins: Pins = Pins()               # what the user fixed; the tuner chooses the rest
     vram_reserve_gb: float = 0.5      # GPU memory left to other programs
+    compile: bool = True              # compile the target's forward per tree bucket; False = eager (--no-compile)
 
 
 # The tree of an engine built without a tuner (the bench's fixed strategies, tests), and the first drafter's before
@@ -56,26 +58,30 @@ class Loaded:
     placement: Placement | None   # how the weights were placed on the GPU; None on CPU
     onednn: bool                  # CPU linears run through oneDNN
     profile_cached: bool          # the latency profile came from the cache (no measuring at start)
+    compile_s: float = 0.0        # compiling (or loading the compiled) verify graphs at start
 
 
-def load_tuned(spec: EngineSpec, probe: Probe | None = None) -> Loaded:
+def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Loaded:
     """The engine plus its tuner: the machine's latency profile (measured once, then cached) and
-    every drafter the ladder may switch to."""
+    every drafter the ladder may switch to. `report` gets a line per compile step."""
     target, onednn, placement = load_fast_target(spec, probe)
     strategy = resolved_strategy(spec)
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter()}
     if strategy == "eagle":
         drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"))
-    engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]))
+    runner = TargetRunner(target, RunnerConfig(compile=spec.compile), drafters["eagle"].feature_layers if "eagle" in drafters else None)
+    compile_s = runner.warm_up(lambda line: report(f"Aerie: {line}: about a minute on the first start, seconds later (cached)"))
+    engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
     offloaded = placement is not None and placement.offload
-    key = profile_key(engine, spec.head, "onednn" if onednn else "default", offloaded)
+    kernels = ("onednn" if onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
+    key = profile_key(engine, spec.head, kernels, offloaded)
     sizes = LARGE_SIZES if offloaded else SIZES
-    profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes))
+    profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes, runner.buckets if runner.compiled else ()))
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
     max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)
     tuner = Tuner(profile, Acceptance(prior_table(alphas)), pins, drafters, max_size=max_size)
-    return Loaded(engine, tuner, placement, onednn, cached)
+    return Loaded(engine, tuner, placement, onednn, cached, compile_s)
 
 
 def tree_budget(target: Target, pins: Pins, sizes: tuple[int, ...], reserve: int, probe: Probe | None) -> int:
@@ -110,13 +116,17 @@ def resolved_strategy(spec: EngineSpec) -> str:
 def load_fast_target(spec: EngineSpec, probe: Probe | None = None) -> tuple[Target, bool, Placement | None]:
     """The target, placed within the GPU's free memory (part offloaded to RAM if it must be), with
     oneDNN linears on CPU where they are faster; -> (target, whether they are, placement)."""
-    resolved = resolve(LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir))
+    resolved = resolve(target_load_spec(spec))
     placement = None
     if resolved.device.type == "cuda":
         placement = plan_placement(ModelShape.from_config(resolved.config), resolved.quant, resolved.dtype.itemsize,
                                    gpu_free(resolved.device, probe), int(spec.vram_reserve_gb * GIB))
     target = load_resolved(resolved, placement.gpu_weight_bytes if placement else None)
     return target, accelerate_cpu(target), placement
+
+
+def target_load_spec(spec: EngineSpec) -> LoadSpec:
+    return LoadSpec(model=spec.model, quant=spec.quant, device=spec.device, cache_dir=spec.cache_dir)
 
 
 def gpu_free(device: torch.device, probe: Probe | None) -> int:

@@ -29,7 +29,7 @@ WIDTHS = (1, 2, 4, 6, 8, 10)
 SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attention's growth with context
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512
 REPEATS = 5
-VERSION = 3
+VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,13 @@ class LatencyProfile:
     head_ms: tuple[float, ...] = ()           # [width]: one head step and its top-k; () without a head
     rerank_ms: float = 0.0                    # the pool -> tree step of a round
     measured_s: float = 0.0                   # how long measuring took
+    buckets: tuple[int, ...] = ()             # the runner's verify buckets: a tree costs its bucket's round
+
 
     def round(self, size: float, context: float) -> float:
         """ms of a round verifying `size` tokens after `context` cached ones: the short-context cost
         plus attention's share, linear in context."""
+        size = next((b for b in self.buckets if b >= size), size)  # a tree is padded to its bucket
         # Below the short context attention is a rounding error: no extrapolation down there.
         extra = max(context - self.contexts[0], 0) * interpolate(self.slope_sizes, self.slope_ms, size)
         return max(interpolate(self.sizes, self.round_ms, size) + extra, 1e-3)
@@ -114,7 +117,7 @@ def cached_profile(cache_dir: Path, key: dict, measure) -> tuple[LatencyProfile,
 
 
 @torch.inference_mode()
-def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
+def measure_profile(engine, sizes: tuple[int, ...] = SIZES, buckets: tuple[int, ...] = ()) -> LatencyProfile:
     """Time the engine's target (and its EAGLE drafter's head, if any) as described above. Leaves
     the engine reset. Token ids are arbitrary: cost does not depend on them."""
     t0 = time.perf_counter()
@@ -133,7 +136,7 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
         rerank_ms = time_rerank()
     engine.reset()
     return LatencyProfile(tuple(sizes), short_ms, (SHORT_CONTEXT, long_), slope_sizes, slopes, widths, head_ms,
-                          rerank_ms, time.perf_counter() - t0)
+                          rerank_ms, time.perf_counter() - t0, tuple(buckets))
 
 
 def monotone(costs: list[float]) -> tuple[float, ...]:

@@ -28,7 +28,7 @@ from core.budget import PLANNED_CONTEXT
 from models.target import Target
 
 ATTENTION = "aerie_tree"
-CPU_BUCKETS = (1, 2, 4, 8)                  # trees stop paying past ~8 on a 2-core CPU (the profile)
+CPU_BUCKETS = (1, 4, 8)                     # trees stop paying past ~8 on a 2-core CPU (the profile); each bucket costs start time
 CUDA_BUCKETS = (1, 4, 8, 16, 32, 48, 64)
 CPU_KV_BLOCK = 256
 PREFILL_CHUNK = 512
@@ -81,11 +81,16 @@ class TargetRunner:
         self.buckets = tuple(sorted(config.buckets or (CUDA_BUCKETS if cuda else CPU_BUCKETS)))
         self.compiled = config.compile and not offloaded  # accelerate's offload hooks move weights per call
         self.context_len = min(target.context_len, config.context)
+        # |logits of a tree verify - one token at a time|: fp32 differs only in summation order; bf16
+        # activations (int4/int8 kernels, nf4's compute) round differently per bucket: 0.375 measured
+        # on the embedded model in int4.
+        self.tie_margin = 1e-3 if target.quant == "none" and target.dtype == torch.float32 else 0.5
         self.capacity = self.context_len + self.buckets[-1]
         self.kv_block = self.capacity if cuda else CPU_KV_BLOCK
         register_attention()
         target.model.set_attn_implementation(ATTENTION)
         text = target.model.config.get_text_config()
+        self.num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.cache = StaticCache(config=target.model.config, max_cache_len=self.capacity)
         self.cache.early_initialization(1, text.num_key_value_heads, head_dim, self.dtype, self.device)
@@ -138,10 +143,11 @@ class TargetRunner:
     def commit(self, rows: torch.Tensor, tokens: list[int]) -> None:
         """Keep rows `rows` of the last verify (root first; their token ids `tokens`) at [L, L+a)."""
         start = self.verified_at
-        source = rows.to(self.device) + start
-        for layer in self.cache.layers:
-            layer.keys[:, :, start: start + len(rows)] = layer.keys.index_select(2, source)  # index_select copies
-            layer.values[:, :, start: start + len(rows)] = layer.values.index_select(2, source)
+        if rows.tolist() != list(range(len(rows))):  # kept rows already in place (plain, a chain): no copy
+            source = rows.to(self.device) + start
+            for layer in self.cache.layers:
+                layer.keys[:, :, start: start + len(rows)] = layer.keys.index_select(2, source)  # index_select copies
+                layer.values[:, :, start: start + len(rows)] = layer.values.index_select(2, source)
         self.ids = self.ids[:start] + list(tokens)
         self.truncate(start + len(rows))
 
@@ -160,12 +166,15 @@ class TargetRunner:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         """(1, T) ids and positions, (1, 1, T, Lk) mask -> final hidden states (T, H) and the
         requested features (T, F) or None. The function each bucket's graph compiles."""
+        # Index num_layers is the final (normed) hidden state, which every forward returns; only
+        # inner layers (EAGLE-3) need transformers' output capturing.
+        inner = self.feature_layers is not None and any(i != self.num_layers for i in self.feature_layers)
         out = self.target.model.get_decoder()(input_ids=token_ids, position_ids=positions, attention_mask=mask,
-                                               cache=self.cache, use_cache=True,
-                                               output_hidden_states=self.feature_layers is not None)
+                                               cache=self.cache, use_cache=True, output_hidden_states=inner)
         features = None
         if self.feature_layers is not None:
-            features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
+            states = [out.last_hidden_state if i == self.num_layers else out.hidden_states[i] for i in self.feature_layers]
+            features = torch.cat([h[0] for h in states], dim=-1)
         return out.last_hidden_state[0], features
 
     def graph(self, size: int):
@@ -177,6 +186,9 @@ class TargetRunner:
         return self._graphs[size]
 
     def _compile(self):
+        # Every bucket of every runner (a model switch builds a new one) is an entry on the one code
+        # object of `forward`; past the limit dynamo would fall back to eager without a word.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if self.device.type == "cuda":  # CUDA graphs; the cloned outputs survive the next replay
             compiled = torch.compile(self.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
@@ -186,7 +198,7 @@ class TargetRunner:
                 return hidden.clone(), None if features is None else features.clone()
             return replay
         # Freezing folds the (constant) weights into the graph; Lk, the mask's width, stays symbolic.
-        compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options={"freezing": True})
+        compiled = torch.compile(self.forward, fullgraph=True, dynamic=False)
 
         def run(token_ids, positions, mask):
             torch._dynamo.mark_dynamic(mask, 3)

@@ -8,7 +8,7 @@ bf16 and its output back; norms, RoPE, attention and the residual stream stay fp
 int4 is asymmetric per group of 32 inputs: w = d * q + m with q in [0, 15], d = (max - min) / 15,
 m = min. That is llama.cpp's Q4_1 rule, so re-quantizing the embedded model (a Q4_1 GGUF
 dequantized to fp32) recovers its blocks exactly; only d and the kernel's zero point m + 8d are
-rounded to bf16 (relative error 2^-9). Other models get ordinary Q4_1-style 4-bit weights.
+rounded to bf16 (relative error up to 2^-8). Other models get ordinary Q4_1-style 4-bit weights.
 """
 
 import torch

@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES = (
 class LoadSpec:
     model: str | None = None      # Hub id, local folder, or None for the embedded default
     quant: str | None = None      # "nf4", "int4", "int8" or "none"; None = nf4 on CUDA, int4 on CPU
+    batched: bool = False         # many rows per forward (training, answer generation): None = none on CPU
     device: str | None = None     # "cuda", "cuda:1", "cpu"; None = CUDA when available
     cache_dir: Path = Path.home() / ".cache" / "aerie"
 
@@ -60,8 +61,9 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def resolve_quant(quant: str | None, device: torch.device) -> str:
-    quant = quant or ("nf4" if device.type == "cuda" else "int4")
+def resolve_quant(quant: str | None, device: torch.device, batched: bool = False) -> str:
+    # int4's CPU kernel re-reads the weights every 4 rows: it wins for a chat's few rows, not for batches.
+    quant = quant or ("nf4" if device.type == "cuda" else "none" if batched else "int4")
     if quant not in QUANTS:
         raise UnsupportedModelError(f"Unknown quantization '{quant}': choose one of {', '.join(QUANTS)}.")
     if quant in CPU_QUANTS and device.type != "cpu":
@@ -150,7 +152,7 @@ def resolve(spec: LoadSpec) -> Resolved:
         raise UnsupportedModelError(f"Unknown device '{spec.device}': use cuda, cuda:N or cpu.") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedModelError("--device cuda was asked for but no CUDA GPU is visible to torch.")
-    quant = resolve_quant(spec.quant, device)
+    quant = resolve_quant(spec.quant, device, spec.batched)
     model_dir = resolve_model_dir(spec.model, spec.cache_dir)
     return Resolved(spec, model_dir, check_architecture(model_dir), device, quant, compute_dtype(device))
 

@@ -64,5 +64,5 @@ def load_tuned_tiny(tiny_dir: Path, cache_dir: Path):
     module its own cache folder: a profile saved by another module would be reused."""
     from core.factory import EngineSpec, load_tuned
 
-    return load_tuned(EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir,
+    return load_tuned(EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, compile=False,
                                  head="random", strategy="eagle"))

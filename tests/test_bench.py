@@ -32,13 +32,13 @@ def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
 
 
 def test_bench_refuses_unknown_strategies(tiny_dir, cache_dir):
-    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir)
+    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, compile=False)
     with pytest.raises(ValueError, match="Unknown strategies eagle"):
         bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=1, max_new=2, strategies=("eagle",))
 
 
 def test_bench_tunes_the_eagle_shape(tiny_dir, cache_dir):
-    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random")
+    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random", compile=False)
     report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=2, max_new=6, strategies=("eagle",))
     eagle = report["strategies"]["eagle"]
     assert eagle["lossless"] and sum(eagle["trees_used"].values()) == 2

@@ -1,0 +1,101 @@
+"""Small CPU weights (models/cpu_quant.py): int4 / int8 linears match the matrices they encode,
+the embedded model's Q4_1 grid is recovered exactly, and the embedded model in int4 with the
+shipped head, compiled, gives plain's greedy text except at logged near-ties."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.bench import load_prompts, prompt_ids
+from core.config import SamplingConfig
+from core.factory import EngineSpec, load_tuned
+from models.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_cpu
+from tests.conftest import ROOT_ASSETS, tiny_llama
+
+HEAD = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct"
+
+
+def dequantized_int4(layer: Int4Linear, n: int, k: int) -> torch.Tensor:
+    """The (n, k) matrix the kernel multiplies by, read through the kernel itself (x = identity;
+    exact in bf16, the output rounded to bf16)."""
+    w = layer(torch.eye(k)).T
+    return w if layer.bias is None else w - layer.bias[:, None]
+
+
+def test_int4_linear_is_the_matrix_it_encodes():
+    dense = torch.nn.Linear(128, 96, bias=True)
+    q = Int4Linear(dense)
+    x = torch.randn(5, 128)
+    w = dequantized_int4(q, 96, 128)
+    # Every group of 32 holds at most 16 levels, spaced d = (max - min) / 15 apart (bf16-rounded).
+    levels = torch.tensor([len(torch.unique(g.round(decimals=4))) for g in w.reshape(-1, GROUP)])
+    assert levels.max() <= 16
+    step = (dense.weight.reshape(-1, GROUP).amax(-1) - dense.weight.reshape(-1, GROUP).amin(-1)) / 15
+    assert ((w - dense.weight).reshape(-1, GROUP).abs().amax(-1) <= step / 2 * 1.02 + 1e-3).all()
+    # bf16 activations: the product agrees with the encoded matrix to bf16 precision.
+    torch.testing.assert_close(q(x), x @ w.T + dense.bias, atol=0.05, rtol=0.02)
+
+
+def test_int8_linear_is_the_matrix_it_encodes():
+    dense = torch.nn.Linear(64, 48, bias=False)
+    q = Int8Linear(dense)
+    w = q.codes.float() * q.scale.float()[:, None]
+    # Half a step of rounding, plus 127 codes times bf16's rounding of the scale (2^-8 relative).
+    assert ((w - dense.weight).abs() <= q.scale.float()[:, None] * (0.5 + 127 / 256) * 1.01).all()
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(q(x), x @ w.T, atol=0.05, rtol=0.02)
+
+
+def test_quantize_cpu_swaps_every_linear_and_keeps_the_lm_head_weight():
+    model = tiny_llama(seed=1)
+    head_weight = model.get_output_embeddings().weight
+    quantize_cpu(model, "int4")
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.get_output_embeddings().weight is head_weight
+    with torch.inference_mode():
+        assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_embedded_model_int4_recovers_its_q4_1_blocks(embedded_target):
+    """llama.cpp's Q4_1 sets d = (max - min) / 15 and m = min per 32 weights, so re-quantizing the
+    dequantized GGUF gives back the same codes: the int4 matrix differs from the fp32 one only by
+    bf16's rounding of d and of the zero point, far below a quantization step."""
+    layer = embedded_target.model.model.layers[0].mlp.down_proj   # (576, 1536)
+    q = Int4Linear(copy.deepcopy(layer))
+    n, k = layer.weight.shape
+    groups = layer.weight.reshape(-1, GROUP)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (dequantized_int4(q, n, k) - layer.weight).reshape(-1, GROUP).abs().amax(-1)
+    assert (err <= step / 8 + 1e-3).all()        # a re-quantization would be off by up to step / 2
+
+
+@pytest.mark.slow
+def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_dir):
+    """20 MT-bench prompts x 64 tokens: the tuned EAGLE engine's greedy text equals plain decoding's
+    on the same runner; a difference may only start at a choice logged as a near-tie."""
+    loaded = load_tuned(EngineSpec(quant="int4", device="cpu", cache_dir=cache_dir, head=str(HEAD)))
+    engine, tuner = loaded.engine, loaded.tuner
+    assert engine.runner.compiled and engine.target.quant == "int4"
+    greedy = SamplingConfig(max_new_tokens=64)
+    ties_seen = exact = 0
+    for prompt in load_prompts(ROOT_ASSETS / "bench" / "mt_bench.jsonl", 20):
+        ids = prompt_ids(engine.target, prompt, 0)
+        outputs, ties = [], set()
+        for name in ("plain", "eagle"):
+            engine.set_drafter(tuner.drafters[name])
+            engine.reset()
+            out = []
+            for step in engine.generate(ids, greedy):
+                ties.update(len(out) + i for i in step.near_ties)
+                out += step.new_ids
+            outputs.append(out)
+        plain, eagle = outputs
+        if plain != eagle:
+            first = next(i for i, (a, b) in enumerate(zip(plain, eagle)) if a != b)
+            assert first in ties, f"diverged at token {first} without a near-tie: {prompt.text[:60]!r}"
+            ties_seen += 1
+        else:
+            exact += 1
+    assert exact >= 15  # near-ties are rare: most answers match token for token

@@ -1,0 +1,158 @@
+"""The target runner (core/runner.py): static cache, buckets, compiled graphs, commit, masks.
+
+Tiny random Llamas (fp32, CPU): compiled equals eager per bucket, a tree verify equals sequential
+decoding, padding rows are inert, a commit leaves the cache as a fresh prefill would, the 4D-mask
+contract holds, and steady state never recompiles. The CUDA graph checks are in test_gpu.py.
+"""
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from core.drafters import PromptLookupDrafter
+from core.engine import Engine
+from core.config import SamplingConfig
+from core.runner import ATTENTION, RunnerConfig, TargetRunner, tree_attention
+from core.tree import make_tree
+from tests.conftest import tiny_llama, tiny_target
+
+TREE = make_tree([7, 11, 12, 13, 21, 22], [-1, 0, 0, 0, 1, 4])  # 6 nodes: bucket 8 pads 2 rows
+
+
+def chain(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3, layers=2)
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    runner = TargetRunner(tiny_target(model), RunnerConfig(compile=True, buckets=(1, 4, 8)), feature_layers=(2,))
+    runner.warm_up()
+    return runner
+
+
+def eager_runner(model, buckets=(1, 4, 8)) -> TargetRunner:
+    return TargetRunner(tiny_target(model), RunnerConfig(compile=False, buckets=buckets), feature_layers=(2,))
+
+
+def verify_after(runner: TargetRunner, prompt: list[int], tree) -> torch.Tensor:
+    runner.reset()
+    runner.prefill(prompt, 0)
+    return runner.verify(tree.tokens, tree.depth, tree.ancestor_mask)
+
+
+def test_compiled_equals_eager_per_bucket(model, compiled):
+    eager = eager_runner(model)
+    prompt = list(range(40, 70))
+    for n in (1, 3, 4, 6, 8):  # every bucket, padded and exact
+        tokens = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
+        depth, visible = chain(n)
+        outs = []
+        for runner in (eager, compiled):
+            runner.reset()
+            runner.prefill(prompt, 0)
+            outs.append(runner.verify(tokens, depth, visible))
+        assert (outs[0].logits - outs[1].logits).abs().max() < 1e-4
+        assert (outs[0].features - outs[1].features).abs().max() < 1e-4
+        for a, b in zip(eager.cache.layers, compiled.cache.layers):  # the KV each wrote at [L, L+n)
+            assert torch.allclose(a.keys[:, :, 30:30 + n], b.keys[:, :, 30:30 + n], atol=1e-5)
+
+
+@pytest.mark.parametrize("use_compiled", [False, True])
+def test_tree_verify_equals_sequential_decoding(model, compiled, use_compiled):
+    runner = compiled if use_compiled else eager_runner(model)
+    prompt = list(range(100, 120))
+    tree_logits = verify_after(runner, prompt, TREE).logits
+    tol = 1e-4 if use_compiled else 1e-5
+    for path in TREE.paths.tolist():  # every root-to-leaf path, one token at a time
+        nodes = [i for i in path if i >= 0]
+        runner.reset()
+        runner.prefill(prompt, 0)
+        for node in nodes:
+            one = runner.verify(TREE.tokens[node:node + 1], torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool))
+            runner.commit(torch.tensor([0]), [int(TREE.tokens[node])])
+            assert (one.logits[0] - tree_logits[node]).abs().max() < tol
+
+
+def test_padding_rows_are_inert(model):
+    padded, exact = eager_runner(model, (1, 8)), eager_runner(model, (1, 6))
+    prompt = list(range(5, 25))
+    a, b = verify_after(padded, prompt, TREE), verify_after(exact, prompt, TREE)
+    assert padded.length == 20 + 8 and exact.length == 20 + 6   # the bucket's rows were written
+    assert torch.isfinite(a.logits).all() and a.logits.shape == b.logits.shape == (6, 256)
+    assert (a.logits - b.logits).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("path", [[0], [0, 1, 4, 5], [0, 3]])
+def test_commit_equals_a_fresh_prefill(model, path):
+    runner, fresh = eager_runner(model), eager_runner(model)
+    prompt = list(range(60, 90))
+    verify_after(runner, prompt, TREE)
+    kept = [int(TREE.tokens[i]) for i in path]
+    runner.commit(torch.tensor(path), kept)
+    assert runner.length == len(runner.ids) == 30 + len(path) and runner.ids == prompt + kept
+    assert int(runner.cache.get_seq_length()) == runner.length
+    nxt = torch.tensor([9])
+    one = torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)
+    after_commit = runner.verify(nxt, *one).logits
+    fresh.prefill(prompt + kept, 0)
+    after_prefill = fresh.verify(nxt, *one).logits
+    assert (after_commit - after_prefill).abs().max() < 1e-5
+    for a, b in zip(runner.cache.layers, fresh.cache.layers):
+        assert torch.allclose(a.keys[:, :, :runner.length], b.keys[:, :, :runner.length], atol=1e-6)
+
+
+def test_the_4d_mask_reaches_attention_untouched(model):
+    runner = eager_runner(model)
+    seen, built = [], []
+    AttentionInterface.register("aerie_spy", lambda m, q, k, v, mask, **kw: (seen.append(mask), tree_attention(m, q, k, v, mask, **kw))[1])
+    make = runner.mask
+    runner.mask = lambda visible, length: built.append(make(visible, length)) or built[-1]
+    model.set_attn_implementation("aerie_spy")
+    try:
+        verify_after(runner, list(range(10)), TREE)
+        assert len(built) == 2 and all(m is built[-1] for m in seen[-2:])   # the verify's own tensor
+        assert built[-1].shape == (1, 1, 8, 256)   # (1, 1, bucket, L+N rounded up to a 256-row block)
+        with pytest.raises(RuntimeError):          # a mask wider than the cache cannot be attended
+            runner.forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                           torch.zeros(1, 1, 1, runner.capacity + 1))
+    finally:
+        model.set_attn_implementation(ATTENTION)
+        runner.mask = make
+
+
+def test_registered_attention_matches_sdpa_and_stays_causal_without_a_4d_mask(model):
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    runner = eager_runner(model)  # sets the model's attention to ATTENTION
+    ours = runner.prefill(ids[0].tolist(), 0)
+    hf = tiny_llama(seed=3, layers=2)
+    hf.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        reference = hf(input_ids=ids).logits[0]                  # causal, HF's own mask and SDPA
+        two_d = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]  # ATTENTION, a 2D mask
+    assert (ours.logits[0] - reference[-1]).abs().max() < 1e-5
+    assert (two_d - reference).abs().max() < 1e-5
+
+
+def test_no_recompiles_in_steady_state(model, compiled):
+    """Two chats, every bucket, varying accepted lengths, the KV length crossing a 256-row block."""
+    engine = Engine(tiny_target(model), PromptLookupDrafter(), compiled)
+    prompt = [5, 6, 7, 8] * 60                    # repetitive: prompt lookup drafts, trees of many sizes
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for chat in range(2):
+            engine.reset()
+            steps = list(engine.generate(prompt[: 200 + 20 * chat], SamplingConfig(max_new_tokens=80)))
+            assert compiled.length > 256 and len(steps) > 10
+    assert {s.tree_size for s in steps[1:]} - {1} , "prompt lookup drafted nothing"
+
+
+def test_compiled_engine_is_lossless(model, compiled):
+    """Greedy speculation through the compiled runner equals plain greedy through the eager one."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 6
+    plain = [t for s in Engine(tiny_target(model)).generate(prompt, SamplingConfig(max_new_tokens=60)) for t in s.new_ids]
+    fast = Engine(tiny_target(model), PromptLookupDrafter(), compiled)
+    assert [t for s in fast.generate(prompt, SamplingConfig(max_new_tokens=60)) for t in s.new_ids] == plain
