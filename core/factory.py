@@ -70,7 +70,7 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     if strategy == "eagle":
         drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"))
     runner = TargetRunner(target, RunnerConfig(compile=spec.compile), drafters["eagle"].feature_layers if "eagle" in drafters else None)
-    compile_s = runner.warm_up(lambda line: report(f"Aerie: {line}: about a minute on the first start, seconds later (cached)"))
+    compile_s = runner.warm_up(lambda line: report(f"Aerie: {line}; a first start compiles for about a minute, later ones load it in seconds"))
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
     offloaded = placement is not None and placement.offload
     kernels = ("onednn" if onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface, StaticCache
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from core.budget import PLANNED_CONTEXT
+from models.quants import CPU_QUANTS
 from models.target import Target
 
 ATTENTION = "aerie_tree"
@@ -40,16 +42,25 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     query (B, Hq, N, D); key, value (B, Hkv, C, D), the whole static buffer; attention_mask
     (B, 1, N, Lk) additive. Query head h reads KV head h // r (r = Hq / Hkv), so viewing the queries
     as (B, Hkv, r*N, D) lets one SDPA per KV head serve all r query heads, with no copy of K/V.
+    A cache wider than the query (fp64: `TargetRunner.exact`) computes in the cache's dtype.
     """
     if attention_mask is None or attention_mask.dim() != 4:  # a 2D-mask caller (e.g. generate()): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     batch, q_heads, n, dim = query.shape
     kv_heads, lk = key.shape[1], attention_mask.shape[-1]
     r = q_heads // kv_heads
-    folded = query.reshape(batch, kv_heads, r * n, dim)                      # (B, Hkv, r*N, D)
+    folded = query.reshape(batch, kv_heads, r * n, dim).to(key.dtype)       # (B, Hkv, r*N, D)
     mask = attention_mask.repeat(1, 1, r, 1) if r > 1 else attention_mask     # (B, 1, r*N, Lk)
     out = F.scaled_dot_product_attention(folded, key[:, :, :lk], value[:, :, :lk], attn_mask=mask, scale=scaling)
-    return out.reshape(batch, q_heads, n, dim).transpose(1, 2).contiguous(), None  # (B, N, Hq, D)
+    return out.to(query.dtype).reshape(batch, q_heads, n, dim).transpose(1, 2).contiguous(), None  # (B, N, Hq, D)
+
+
+class KVLayer(StaticLayer):
+    """A StaticLayer whose buffers may be wider than the model's activations: new K/V rows are cast
+    to the buffer's dtype as they are written."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args, **kwargs)
 
 
 def register_attention() -> None:
@@ -81,10 +92,15 @@ class TargetRunner:
         self.buckets = tuple(sorted(config.buckets or (CUDA_BUCKETS if cuda else CPU_BUCKETS)))
         self.compiled = config.compile and not offloaded  # accelerate's offload hooks move weights per call
         self.context_len = min(target.context_len, config.context)
-        # |logits of a tree verify - one token at a time|: fp32 differs only in summation order; bf16
-        # activations (int4/int8 kernels, nf4's compute) round differently per bucket: 0.375 measured
-        # on the embedded model in int4.
-        self.tie_margin = 1e-3 if target.quant == "none" and target.dtype == torch.float32 else 0.5
+        # Exact attention: with bf16 activations (the int4/int8 kernels) a tree's verify and one
+        # token's would differ by fp32 summation order in attention, which the next bf16 rounding
+        # turns into logit differences of up to 0.375 (measured): greedy texts would part at near-
+        # ties. An fp64 KV cache makes attention's sums exact to fp32 rounding, so a tree's logits
+        # equal sequential decoding's bit for bit (measured, contexts 20-300, trees of 2-8), for
+        # twice the cache memory. CUDA keeps its dtype: a near-tie there is logged (tie_margin).
+        self.exact = self.device.type == "cpu" and target.quant in CPU_QUANTS
+        kv_dtype = torch.float64 if self.exact else self.dtype
+        self.tie_margin = 0.5 if self.dtype != torch.float32 else 1e-3
         self.capacity = self.context_len + self.buckets[-1]
         self.kv_block = self.capacity if cuda else CPU_KV_BLOCK
         register_attention()
@@ -92,8 +108,8 @@ class TargetRunner:
         text = target.model.config.get_text_config()
         self.num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.cache = StaticCache(config=target.model.config, max_cache_len=self.capacity)
-        self.cache.early_initialization(1, text.num_key_value_heads, head_dim, self.dtype, self.device)
+        self.cache = Cache(layers=[KVLayer(self.capacity) for _ in range(self.num_layers)])
+        self.cache.early_initialization(1, text.num_key_value_heads, head_dim, kv_dtype, self.device)
         self.length = 0                  # L, the cache's length counter mirrored on the host
         self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
         self.verified_at = 0             # L before the last verify: where commit moves the kept rows
@@ -225,8 +241,8 @@ class TargetRunner:
         committed rows and the new rows marked visible; columns past L+T are blocked."""
         t = visible.shape[0]
         lk = min(self.capacity, -(-(length + t) // self.kv_block) * self.kv_block)
-        blocked = torch.finfo(self.dtype).min
-        mask = torch.full((1, 1, t, lk), blocked, dtype=self.dtype, device=self.device)
+        dtype = self.cache.layers[0].keys.dtype
+        mask = torch.full((1, 1, t, lk), torch.finfo(dtype).min, dtype=dtype, device=self.device)
         mask[0, 0, :, :length] = 0
         mask[0, 0, :, length: length + t].masked_fill_(visible, 0)
         return mask

@@ -49,7 +49,9 @@ def process_bytes(device: torch.device) -> int:
 
 
 def release(device: torch.device) -> int:
-    """Collect what nothing references any more and hand cached GPU blocks back; -> bytes in use."""
+    """Collect what nothing references any more and hand cached GPU blocks back; -> bytes in use.
+    Compiled graphs hold their model's weights and cache: one model is loaded at a time, so all go."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

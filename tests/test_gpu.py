@@ -1,5 +1,7 @@
-"""CUDA checks, skipped cleanly without a GPU: an NF4 target with bf16/fp16 compute loads, and
-EAGLE and prompt lookup stay lossless on it. Run them with `python3 launch.py test -m gpu`."""
+"""CUDA checks, skipped cleanly without a GPU: an NF4 target with bf16/fp16 compute loads, EAGLE
+and prompt lookup stay lossless on it, and the runner's CUDA graphs (one per bucket) equal its
+eager forward and hand out outputs that survive the next replay. Run them with
+`python3 launch.py test -m gpu`."""
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ from core.config import SamplingConfig, TreeConfig
 from core.eagle import EagleDrafter
 from core.drafters import PromptLookupDrafter
 from core.engine import Engine
+from core.runner import RunnerConfig, TargetRunner
 from models.target import LoadSpec, load_target
 from tests.test_eagle import random_head, run
 
@@ -35,3 +38,40 @@ def test_speculation_is_lossless_on_cuda(nf4_target):
     head = random_head(nf4_target.model, "eagle1", 0).to(device="cuda", dtype=nf4_target.dtype)
     for drafter in (PromptLookupDrafter(), EagleDrafter(head, layers, TreeConfig(3, 4, 12))):
         assert run(Engine(nf4_target, drafter), prompt, SamplingConfig(max_new_tokens=32)) == plain
+
+
+@pytest.fixture(scope="module")
+def graphed(nf4_target):
+    layers = nf4_target.model.config.num_hidden_layers
+    runner = TargetRunner(nf4_target, RunnerConfig(compile=True, buckets=(1, 4, 8)), feature_layers=(layers,))
+    runner.warm_up()
+    return runner
+
+
+def test_cuda_graphs_equal_eager_per_bucket(nf4_target, graphed):
+    layers = nf4_target.model.config.num_hidden_layers
+    eager = TargetRunner(nf4_target, RunnerConfig(compile=False, buckets=(1, 4, 8)), feature_layers=(layers,))
+    prompt = list(range(10, 40))
+    for n in (1, 3, 8):
+        tokens, depth, visible = torch.arange(n) + 50, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+        outs = []
+        for runner in (eager, graphed):
+            runner.reset()
+            runner.prefill(prompt, 0)
+            outs.append(runner.verify(tokens, depth, visible).logits)
+        scale = outs[0].abs().max()
+        assert (outs[0] - outs[1]).abs().max() <= 2e-2 * scale   # bf16 / fp16 compute
+        top2 = outs[0].topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > graphed.tie_margin
+        assert (outs[0].argmax(-1) == outs[1].argmax(-1))[clear].all()
+
+
+def test_cuda_graph_outputs_survive_the_next_replay(graphed):
+    graphed.reset()
+    graphed.prefill(list(range(20)), 0)
+    one = torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)
+    first = graphed.verify(torch.tensor([5]), *one)
+    kept_logits, kept_features = first.logits.clone(), first.features.clone()
+    graphed.commit(torch.tensor([0]), [5])
+    graphed.verify(torch.tensor([6]), *one)                   # the next replay of the same graph
+    assert torch.equal(first.logits, kept_logits) and torch.equal(first.features, kept_features)

@@ -5,6 +5,8 @@ decoding, padding rows are inert, a commit leaves the cache as a fresh prefill w
 contract holds, and steady state never recompiles. The CUDA graph checks are in test_gpu.py.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AttentionInterface
@@ -156,3 +158,23 @@ def test_compiled_engine_is_lossless(model, compiled):
     plain = [t for s in Engine(tiny_target(model)).generate(prompt, SamplingConfig(max_new_tokens=60)) for t in s.new_ids]
     fast = Engine(tiny_target(model), PromptLookupDrafter(), compiled)
     assert [t for s in fast.generate(prompt, SamplingConfig(max_new_tokens=60)) for t in s.new_ids] == plain
+
+
+def test_exact_attention_makes_int4_trees_equal_sequential_decoding():
+    """With bf16 activations (int4 kernels) the fp64 cache keeps a tree's logits equal to one token
+    at a time, bit for bit (an fp32 cache differs by up to 0.375 on the embedded model)."""
+    from models.cpu_quant import quantize_cpu
+    model = tiny_llama(seed=5, layers=2)
+    quantize_cpu(model, "int4")
+    target = replace(tiny_target(model), quant="int4")
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8)))
+    assert runner.exact and runner.cache.layers[0].keys.dtype == torch.float64
+    prompt = list(range(30, 60))
+    tree_logits = verify_after(runner, prompt, TREE).logits
+    for path in TREE.paths.tolist():
+        runner.reset()
+        runner.prefill(prompt, 0)
+        for node in [i for i in path if i >= 0]:
+            one = runner.verify(TREE.tokens[node:node + 1], torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool))
+            runner.commit(torch.tensor([0]), [int(TREE.tokens[node])])
+            assert torch.equal(one.logits[0], tree_logits[node])
