@@ -19,6 +19,7 @@ import torch
 from core.config import TreeConfig
 from core.kv import SlabCache
 from core.tree import DraftTree, additive_mask, expand_frontier, make_tree, rerank, static_shape
+from models.cpu_quant import Int4Linear, Int8Linear, quantize_cpu
 
 RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tuner.py RANKS)
 
@@ -32,17 +33,26 @@ class EagleDrafter:
         # model that matrix is a large share of all weights (SmolLM2-135M: 28M of 135M). With a draft
         # vocabulary (ids (Vd,)) only its rows are read: drafts are restricted to it, and the target
         # still verifies every token, so output is unchanged.
-        self.vocab_ids, self.vocab_weight = None, None
+        self.vocab_ids, self.vocab_head = None, None
         if draft_vocab is not None:
             assert head.config.kind == "eagle1", "an EAGLE-3 head carries its own draft vocabulary"
             weight = head.target.lm_head.weight
             self.vocab_ids = draft_vocab.to(weight.device)
-            self.vocab_weight = weight[self.vocab_ids].contiguous()      # (Vd, H)
+            self.vocab_head = torch.nn.Linear(weight.shape[1], len(self.vocab_ids), bias=False, device=weight.device,
+                                              dtype=weight.dtype)
+            self.vocab_head.weight.data = weight[self.vocab_ids].contiguous()   # (Vd, H)
         self.feature_layers = head.feature_layers(num_target_layers)
         self.cache = SlabCache()
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
         self.root_ranking: torch.Tensor | None = None  # (R,) target ids, the last root's best drafts
         self.reshape(tree)
+
+    def shrink(self, quant: str) -> None:
+        """Small weights for drafting on a CPU (int8 per channel): the head's decoder layer and the
+        draft vocabulary's rows, read once per head step. Drafts only: the target still verifies."""
+        quantize_cpu(self.head.layers, quant)
+        if self.vocab_head is not None:
+            self.vocab_head = Int8Linear(self.vocab_head) if quant == "int8" else Int4Linear(self.vocab_head)
 
     def reshape(self, tree: TreeConfig) -> None:
         """Draft trees of another shape from the next round on (the tuner re-plans between turns)."""
@@ -135,10 +145,10 @@ class EagleDrafter:
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """out (k, H) -> (k, Vd) draft log-probabilities, normalised over the draft vocabulary."""
-        if self.vocab_weight is None:
+        if self.vocab_head is None:
             logits = self.head.draft_logits(out)
         else:
-            logits = torch.nn.functional.linear(out.to(self.vocab_weight.dtype), self.vocab_weight)
+            logits = self.vocab_head(out)
         return torch.log_softmax(logits.float(), dim=-1)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

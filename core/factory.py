@@ -21,6 +21,7 @@ from core.profile import LARGE_SIZES, SIZES, cached_profile, measure_profile, pr
 from core.tuner import Acceptance, Pins, Tuner, prior_table
 from models.head_checkpoint import head_config_for_target, head_training_record, load_draft_vocab, load_head
 from models.heads import build_head
+from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
 STRATEGIES = ("auto", "eagle", "prompt_lookup", "plain")
@@ -147,7 +148,10 @@ def make_drafter(target: Target, spec: EngineSpec):
     head = load_eagle_head(target, spec.head, spec.allow_pickle, spec.cache_dir)
     draft_vocab = None if spec.head == "random" else load_draft_vocab(spec.head, target.model.config.get_text_config().vocab_size)
     tree = spec.tree or default_tree(target.device)
-    return EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, tree, draft_vocab)
+    drafter = EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, tree, draft_vocab)
+    if target.quant in CPU_QUANTS:  # a CPU target on small weights: its drafter too
+        drafter.shrink("int8")
+    return drafter
 
 
 def load_eagle_head(target: Target, source: str, allow_pickle: bool, cache_dir: Path | None = None):

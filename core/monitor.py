@@ -68,7 +68,8 @@ def engine_memory(engine) -> EngineMemory:
     if head is not None:  # the head borrows the target's embedding and LM head: count only its own
         own = [t for t in list(head.parameters()) + list(head.buffers())
                if storage(t)[0] not in target_ptrs]
-        extra = [t for t in (getattr(engine.drafter, "vocab_weight", None),) if t is not None]
+        vocab = getattr(engine.drafter, "vocab_head", None)
+        extra = [] if vocab is None else list(vocab.parameters()) + list(vocab.buffers())
         draft = tensor_bytes(own + extra) + engine.drafter.cache.nbytes()
     device = engine.target.device
     name = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type

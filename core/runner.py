@@ -6,8 +6,9 @@ The KV lives in one transformers `StaticCache` per runner, allocated once for th
 moves the accepted rows to [L, L+a) and rewinds the cache's length counter. The runner keeps a
 host mirror L of that length, so it never reads the device.
 
-Verify sizes come in a few fixed buckets: a tree of n nodes is padded to the smallest bucket >= n,
-and with `compile` each bucket's forward is one `torch.compile`d graph (a CUDA graph on GPUs).
+Verify sizes come in a few fixed buckets: a tree of n nodes is padded to the smallest bucket >= n
+(beyond the largest, it goes in chunks of the largest), and with `compile` each bucket's forward
+is one `torch.compile`d graph (a CUDA graph on GPUs), so every forward runs the same kernels.
 Masks are built here, outside the graph, as additive (1, 1, Nb, Lk) tensors; the attention
 function registered below reads only the first Lk cache rows. On CPU Lk is L+N rounded up to a
 256-row block and a symbolic size in the graph, so attention costs what the chat's length costs
@@ -140,21 +141,31 @@ class TargetRunner:
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> Verified:
         """tokens (n,) at positions L + depth (n,), visible (n, n) bool (a tree's ancestor mask):
-        one forward of the smallest bucket that holds them; -> logits and features of the n rows."""
-        n, length = tokens.shape[0], self.length
-        size = next((b for b in self.buckets if b >= n), n)   # past the largest bucket: eager, unpadded
-        if length + size > self.capacity:
+        forwards of the smallest bucket that holds them (a tree beyond the largest bucket goes in
+        chunks of it, each seeing the chunks before); -> logits and features of the n rows."""
+        n, length, largest = tokens.shape[0], self.length, self.buckets[-1]
+        padded_n = n if n <= largest else -(-n // largest) * largest
+        padded_n = next((b for b in self.buckets if b >= padded_n), padded_n)
+        if length + padded_n > self.capacity:
             raise ValueError(f"a {n}-token verify after {length} tokens overflows the {self.capacity}-row cache")
-        token_ids = torch.zeros(1, size, dtype=torch.long, device=self.device)
-        token_ids[0, :n] = tokens.to(self.device)
-        positions = torch.full((1, size), length, dtype=torch.long, device=self.device)
-        positions[0, :n] += depth.to(self.device)
-        padded = torch.eye(size, dtype=torch.bool, device=self.device)  # padding rows see only themselves
-        padded[:n, :n] = visible.to(self.device)
-        hidden, features = self.graph(size)(token_ids, positions, self.mask(padded, length))
-        logits = self.target.model.get_output_embeddings()(hidden[:n]).float()                      # (n, V)
-        self.verified_at, self.length = length, length + size
-        return Verified(logits, None if features is None else features[:n].clone())
+        token_ids = torch.zeros(padded_n, dtype=torch.long, device=self.device)
+        token_ids[:n] = tokens.to(self.device)
+        positions = torch.full((padded_n,), length, dtype=torch.long, device=self.device)
+        positions[:n] += depth.to(self.device)
+        seen = torch.eye(padded_n, dtype=torch.bool, device=self.device)  # padding rows see only themselves
+        seen[:n, :n] = visible.to(self.device)
+        hidden, features = [], []
+        for lo in range(0, padded_n, largest):
+            hi = min(lo + largest, padded_n)
+            # Fresh (1, b) tensors: a view into the longer buffer would have other strides, a new graph.
+            h, f = self.graph(hi - lo)(token_ids[lo:hi].clone()[None], positions[lo:hi].clone()[None],
+                                       self.mask(seen[lo:hi, :hi], length))
+            hidden.append(h)
+            features.append(f)
+        hidden = torch.cat(hidden)[:n]                                                                # (n, H)
+        logits = self.target.model.get_output_embeddings()(hidden).float()                            # (n, V)
+        self.verified_at, self.length = length, length + padded_n
+        return Verified(logits, None if self.feature_layers is None else torch.cat(features)[:n].clone())
 
     def commit(self, rows: torch.Tensor, tokens: list[int]) -> None:
         """Keep rows `rows` of the last verify (root first; their token ids `tokens`) at [L, L+a)."""
@@ -195,7 +206,7 @@ class TargetRunner:
 
     def graph(self, size: int):
         """The forward for a bucket: compiled once per bucket (on first use, or in warm_up)."""
-        if not self.compiled or size not in self.buckets:
+        if not self.compiled:
             return self.forward
         if size not in self._graphs:
             self._graphs[size] = self._compile()
@@ -237,14 +248,14 @@ class TargetRunner:
         return self.compile_s
 
     def mask(self, visible: torch.Tensor, length: int) -> torch.Tensor:
-        """visible (T, T) bool over the T new rows -> additive (1, 1, T, Lk): every row sees the L
-        committed rows and the new rows marked visible; columns past L+T are blocked."""
-        t = visible.shape[0]
-        lk = min(self.capacity, -(-(length + t) // self.kv_block) * self.kv_block)
+        """visible (T, m) bool: which of the m rows written from L on each of T new rows sees ->
+        additive (1, 1, T, Lk): every row also sees the L committed rows; columns past L+m are blocked."""
+        t, m = visible.shape
+        lk = min(self.capacity, -(-(length + m) // self.kv_block) * self.kv_block)
         dtype = self.cache.layers[0].keys.dtype
         mask = torch.full((1, 1, t, lk), torch.finfo(dtype).min, dtype=dtype, device=self.device)
         mask[0, 0, :, :length] = 0
-        mask[0, 0, :, length: length + t].masked_fill_(visible, 0)
+        mask[0, 0, :, length: length + m].masked_fill_(visible, 0)
         return mask
 
     def cache_bytes(self) -> int:

@@ -67,13 +67,14 @@ class Int8Linear(nn.Module):
 
 
 def quantize_cpu(model: nn.Module, quant: str) -> None:
-    """Swap every nn.Linear of a CPU model (the LM head included) for its int4 / int8 version, in
-    place. The LM head keeps `.weight`: EAGLE heads and drafters read it (tied to the embedding, so
-    no extra memory for models that tie them)."""
+    """Swap every nn.Linear in `model` (a causal LM's LM head included) for its int4 / int8 version,
+    in place. The LM head keeps `.weight`: EAGLE heads and drafters read it (tied to the embedding,
+    so no extra memory for models that tie them)."""
     if quant not in CPU_QUANTS:
         raise ValueError(f"quantize_cpu takes one of {CPU_QUANTS}, not {quant!r}")
     cls = Int4Linear if quant == "int4" else Int8Linear
-    lm_head = model.get_output_embeddings()
+    get_lm_head = getattr(model, "get_output_embeddings", None)
+    lm_head = get_lm_head() if get_lm_head is not None else None
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, nn.Linear) and (quant == "int8" or child.in_features % GROUP == 0):

@@ -178,3 +178,15 @@ def test_exact_attention_makes_int4_trees_equal_sequential_decoding():
             one = runner.verify(TREE.tokens[node:node + 1], torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool))
             runner.commit(torch.tensor([0]), [int(TREE.tokens[node])])
             assert torch.equal(one.logits[0], tree_logits[node])
+
+
+def test_a_tree_beyond_the_largest_bucket_goes_in_chunks(model):
+    """A 6-node tree through buckets (1, 4): two chunks of 4 (2 padding rows), the second seeing
+    the first; the same logits as one bucket of 8."""
+    chunked, whole = eager_runner(model, (1, 4)), eager_runner(model, (1, 8))
+    prompt = list(range(70, 95))
+    a, b = verify_after(chunked, prompt, TREE), verify_after(whole, prompt, TREE)
+    assert chunked.length == whole.length == 25 + 8
+    assert (a.logits - b.logits).abs().max() < 1e-5 and (a.features - b.features).abs().max() < 1e-5
+    chunked.commit(torch.tensor([0, 1, 4, 5]), [int(TREE.tokens[i]) for i in (0, 1, 4, 5)])
+    assert chunked.length == 29
