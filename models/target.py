@@ -36,9 +36,9 @@ SUPPORTED_ARCHITECTURES = (
 class LoadSpec:
     model: str | None = None      # Hub id, local folder, or None for the embedded default
     quant: str | None = None      # "nf4", "int4", "int8" or "none"; None = nf4 on CUDA, int4 on CPU
-    batched: bool = False         # many rows per forward (training, answer generation): None = none on CPU
     device: str | None = None     # "cuda", "cuda:1", "cpu"; None = CUDA when available
     cache_dir: Path = Path.home() / ".cache" / "aerie"
+    batched: bool = False         # many rows per forward (training, answer generation): None = none on CPU
 
 
 @dataclass(frozen=True)
