@@ -31,7 +31,7 @@ from models.quants import CPU_QUANTS
 from models.target import Target
 
 ATTENTION = "aerie_tree"
-CPU_BUCKETS = (1, 4, 8)                     # trees stop paying past ~8 on a 2-core CPU (the profile); each bucket costs start time
+CPU_BUCKETS = (1, 2, 4, 8)                  # past ~8 a tree stops paying on a 2-core CPU; 2 costs as little as 1
 CUDA_BUCKETS = (1, 4, 8, 16, 32, 48, 64)
 CPU_KV_BLOCK = 256
 PREFILL_CHUNK = 512
