@@ -48,9 +48,11 @@ class EagleDrafter:
         self.reshape(tree)
 
     def shrink(self, quant: str) -> None:
-        """Small weights for drafting on a CPU (int8 per channel): the head's decoder layer and the
-        draft vocabulary's rows, read once per head step. Drafts only: the target still verifies."""
+        """Small weights for drafting on a CPU: the head's fc and decoder layer and the draft
+        vocabulary's rows, read once per head step. Drafts only: the target still verifies."""
         quantize_cpu(self.head.layers, quant)
+        fc = self.head.fc   # keeps `.weight` (fp32, 2.6 MB here): the head reads its dtype from it
+        self.head.fc = Int8Linear(fc, keep_weight=True) if quant == "int8" else Int4Linear(fc, keep_weight=True)
         if self.vocab_head is not None:
             self.vocab_head = Int8Linear(self.vocab_head) if quant == "int8" else Int4Linear(self.vocab_head)
 

@@ -11,7 +11,7 @@ Verify sizes come in a few fixed buckets: a tree of n nodes is padded to the sma
 is one `torch.compile`d graph (a CUDA graph on GPUs), so every forward runs the same kernels.
 Masks are built here, outside the graph, as additive (1, 1, Nb, Lk) tensors; the attention
 function registered below reads only the first Lk cache rows. On CPU Lk is L+N rounded up to a
-256-row block and a symbolic size in the graph, so attention costs what the chat's length costs
+64-row block and a symbolic size in the graph, so attention costs what the chat's length costs
 and no length recompiles; on CUDA Lk is the whole capacity, one shape per bucket for the graphs.
 Padding rows see only themselves and are dropped at commit.
 """
@@ -33,7 +33,7 @@ from models.target import Target
 ATTENTION = "aerie_tree"
 CPU_BUCKETS = (1, 2, 4, 8)                  # past ~8 a tree stops paying on a 2-core CPU; 2 costs as little as 1
 CUDA_BUCKETS = (1, 4, 8, 16, 32, 48, 64)
-CPU_KV_BLOCK = 256
+CPU_KV_BLOCK = 64                           # attention reads L+N rounded up to this many rows
 PREFILL_CHUNK = 512
 
 

@@ -34,7 +34,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.reshape(n, k), 1))
         self.register_buffer("scale_zero", torch.stack([d, low + 8 * d], -1).transpose(0, 1).contiguous().bfloat16())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        self.out_features = n
+        self.in_features, self.out_features = k, n
         if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice)
             self.weight = linear.weight
 
@@ -55,7 +55,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.bfloat16())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        self.out_features = w.shape[0]
+        self.out_features, self.in_features = w.shape
         if keep_weight:
             self.weight = linear.weight
 

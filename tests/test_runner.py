@@ -14,7 +14,7 @@ from transformers import AttentionInterface
 from core.drafters import PromptLookupDrafter
 from core.engine import Engine
 from core.config import SamplingConfig
-from core.runner import ATTENTION, RunnerConfig, TargetRunner, tree_attention
+from core.runner import ATTENTION, CPU_KV_BLOCK, RunnerConfig, TargetRunner, tree_attention
 from core.tree import make_tree
 from tests.conftest import tiny_llama, tiny_target
 
@@ -118,7 +118,7 @@ def test_the_4d_mask_reaches_attention_untouched(model):
     try:
         verify_after(runner, list(range(10)), TREE)
         assert len(built) == 2 and all(m is built[-1] for m in seen[-2:])   # the verify's own tensor
-        assert built[-1].shape == (1, 1, 8, 256)   # (1, 1, bucket, L+N rounded up to a 256-row block)
+        assert built[-1].shape == (1, 1, 8, CPU_KV_BLOCK)   # (1, 1, bucket, L+N rounded up to a block)
         with pytest.raises(RuntimeError):          # a mask wider than the cache cannot be attended
             runner.forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
                            torch.zeros(1, 1, 1, runner.capacity + 1))
@@ -141,7 +141,7 @@ def test_registered_attention_matches_sdpa_and_stays_causal_without_a_4d_mask(mo
 
 
 def test_no_recompiles_in_steady_state(model, compiled):
-    """Two chats, every bucket, varying accepted lengths, the KV length crossing a 256-row block."""
+    """Two chats, every bucket, varying accepted lengths, the KV length crossing several blocks."""
     engine = Engine(tiny_target(model), PromptLookupDrafter(), compiled)
     prompt = [5, 6, 7, 8] * 60                    # repetitive: prompt lookup drafts, trees of many sizes
     with torch._dynamo.config.patch(error_on_recompile=True):
