@@ -233,16 +233,23 @@ class TargetRunner:
         return run
 
     def warm_up(self, report=None) -> float:
-        """Compile every bucket now (a chat's first rounds would otherwise pay it); -> seconds."""
+        """Compile every bucket now (a chat's first rounds would otherwise pay it); -> seconds.
+        Where torch cannot compile (no C++ compiler, say), say so and run the eager forward."""
         if not self.compiled:
             return 0.0
         t0 = time.perf_counter()
-        for i, size in enumerate(self.buckets):
+        try:
+            for i, size in enumerate(self.buckets):
+                if report is not None:
+                    report(f"Compiling the target's forward for {size}-token trees ({i + 1}/{len(self.buckets)})")
+                self.reset()
+                self.verify(torch.zeros(size, dtype=torch.long), torch.arange(size),
+                            torch.ones(size, size, dtype=torch.bool).tril())
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            self.compiled, self._graphs = False, {}
             if report is not None:
-                report(f"Compiling the target's forward for {size}-token trees ({i + 1}/{len(self.buckets)})")
-            self.reset()
-            self.verify(torch.zeros(size, dtype=torch.long), torch.arange(size),
-                        torch.ones(size, size, dtype=torch.bool).tril())
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                report(f"Compiling failed ({first}); running the eager forward instead (slower; --no-compile skips trying)")
         self.reset()
         self.compile_s = time.perf_counter() - t0
         return self.compile_s

@@ -190,3 +190,15 @@ def test_a_tree_beyond_the_largest_bucket_goes_in_chunks(model):
     assert (a.logits - b.logits).abs().max() < 1e-5 and (a.features - b.features).abs().max() < 1e-5
     chunked.commit(torch.tensor([0, 1, 4, 5]), [int(TREE.tokens[i]) for i in (0, 1, 4, 5)])
     assert chunked.length == 29
+
+
+def test_a_failed_compile_falls_back_to_eager_and_says_so(model, monkeypatch):
+    def broken(*args, **kwargs):
+        raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler found"), None)
+    runner = TargetRunner(tiny_target(model), RunnerConfig(compile=True, buckets=(1, 4)))
+    monkeypatch.setattr(runner, "_compile", lambda: broken)
+    lines = []
+    runner.warm_up(lines.append)
+    assert not runner.compiled and any("Compiling failed" in line and "eager" in line for line in lines)
+    out = verify_after(runner, list(range(12)), TREE)    # and it still verifies
+    assert torch.isfinite(out.logits).all()
