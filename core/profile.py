@@ -15,12 +15,12 @@ import hashlib
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from core.config import SamplingConfig
+from core.config import SamplingConfig, TreeConfig
 from core.tree import chain_tree, rerank
 
 SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96)  # the issue's sizes plus 2 and 4: on a CPU the step from 1 token (no mask) to a small tree matters
@@ -29,7 +29,7 @@ WIDTHS = (1, 2, 4, 6, 8, 10)
 SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attention's growth with context
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512
 REPEATS = 5
-VERSION = 5
+VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ class LatencyProfile:
     rerank_ms: float = 0.0                    # the pool -> tree step of a round
     measured_s: float = 0.0                   # how long measuring took
     buckets: tuple[int, ...] = ()             # the runner's verify buckets: a tree costs its bucket's round
+    draft_fixed_ms: float = 0.0               # a draft's cost beyond its head steps and rerank, per round
+    draft_level_ms: float = 0.0               # ... and per expansion level
 
 
     def round(self, size: float, context: float) -> float:
@@ -129,14 +131,19 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES, buckets: tuple[int, 
     long_ms = rounds(engine, ids, long_, slope_sizes)
     slopes = tuple(max(0.0, (ms - short_ms[sizes.index(n)]) / (long_ - SHORT_CONTEXT))
                    for n, ms in zip(slope_sizes, long_ms))
-    drafter, widths, head_ms, rerank_ms = engine.drafter, (), (), 0.0
+    drafter, widths, head_ms, rerank_ms, fixed, level = engine.drafter, (), (), 0.0, 0.0, 0.0
     if hasattr(drafter, "feed_frontier"):
         widths = WIDTHS
         head_ms = tuple(time_head_step(drafter, engine, ids[:SHORT_CONTEXT], w) for w in widths)
         rerank_ms = time_rerank()
+        # What a whole draft costs beyond its head steps and rerank: the drafter's own bookkeeping.
+        flat = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(0, 1, 2))
+        deep = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(2, 2, 4))
+        fixed = max(0.0, flat - head_ms[0] - rerank_ms)
+        level = max(0.0, (deep - flat - 2 * interpolate(widths, head_ms, 2)) / 2)
     engine.reset()
     return LatencyProfile(tuple(sizes), short_ms, (SHORT_CONTEXT, long_), slope_sizes, slopes, widths, head_ms,
-                          rerank_ms, time.perf_counter() - t0, tuple(buckets))
+                          rerank_ms, time.perf_counter() - t0, tuple(buckets), fixed, level)
 
 
 def monotone(costs: list[float]) -> tuple[float, ...]:
@@ -196,6 +203,27 @@ def time_head_step(drafter, engine, ids: list[int], width: int) -> float:
         drafter.cache.truncate(context - 1)
 
     return timed(engine.device, once)
+
+
+def time_draft(drafter, engine, ids: list[int], tree: TreeConfig) -> float:
+    """ms of the drafter's whole round with `tree`'s shape after one committed token: catch-up,
+    tree growth and rerank, each after a target verify, as in a chat's rounds (the target's weights
+    push the head's out of the caches: timed back to back, drafts looked twice as cheap)."""
+    engine.reset()
+    fresh = engine.prefill(ids)
+    context, kept = ids + [ids[0]], drafter.tree
+    drafter.reshape(tree)
+    drafter.draft(context, fresh)                         # the head catches up on the prompt
+    last, between = replace(fresh, features=fresh.features[-1:]), chain_tree(ids[0], ids[1:4])
+    best = float("inf")
+    for rep in range(REPEATS + 1):                        # pass 0 warms up
+        engine.verify(between)
+        engine.runner.truncate(len(ids))
+        drafter.rewind(len(ids))                          # forget the last pair: one fresh row again
+        ms = timed_once(engine.device, lambda: drafter.draft(context, last))
+        best = min(best, ms) if rep else best
+    drafter.reshape(kept)
+    return best
 
 
 def time_rerank(pool: int = 100, keep: int = 48) -> float:

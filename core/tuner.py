@@ -159,7 +159,7 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
             for n in sizes:
                 tokens = 1 + gained[min(n - 1, len(gained) - 1)]
                 ms = (profile.round(n, context) + profile.head(tokens) + depth * profile.head(k)
-                      + profile.rerank_ms)
+                      + profile.rerank_ms + profile.draft_fixed_ms + depth * profile.draft_level_ms)
                 if best is None or tokens / ms > best.tokens / best.round_ms:
                     best = Shape(TreeConfig(depth=depth, top_k=k, total_tokens=n), tokens, ms)
     return best
