@@ -1,8 +1,8 @@
 """The target runner: every target forward the engine makes, for every strategy, plain included.
 
 Four calls: `prefill` a prompt, `verify` a tree, `commit` the accepted rows, `reset` for a new chat.
-The KV lives in one transformers `StaticCache` per runner, allocated once for the whole context
-(capacity C = context + the largest bucket): a forward writes its N rows at [L, L+N) and a commit
+The KV lives in one transformers `Cache` of `StaticLayer`s per runner, allocated once for the
+whole context (capacity C = context + the largest bucket; fp64 on CPU, see `exact`): a forward writes its N rows at [L, L+N) and a commit
 moves the accepted rows to [L, L+a) and rewinds the cache's length counter. The runner keeps a
 host mirror L of that length, so it never reads the device.
 

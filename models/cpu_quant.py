@@ -77,5 +77,7 @@ def quantize_cpu(model: nn.Module, quant: str) -> None:
     lm_head = get_lm_head() if get_lm_head is not None else None
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if isinstance(child, nn.Linear) and (quant == "int8" or child.in_features % GROUP == 0):
+            # The int4 kernel packs groups of 32 inputs and tiles of 16 outputs; any other shape stays fp32.
+            if isinstance(child, nn.Linear) and (quant == "int8" or (child.in_features % GROUP == 0
+                                                                     and child.out_features % 16 == 0)):
                 setattr(module, name, cls(child, keep_weight=child is lm_head))

@@ -48,6 +48,14 @@ def test_int8_linear_is_the_matrix_it_encodes():
     torch.testing.assert_close(q(x), x @ w.T, atol=0.05, rtol=0.02)
 
 
+def test_quantize_cpu_leaves_shapes_the_int4_kernel_cannot_pack():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 100), torch.nn.Linear(100, 32),
+                                torch.nn.Linear(32, 40))
+    quantize_cpu(model, "int4")
+    assert [type(m).__name__ for m in model] == ["Int4Linear", "Linear", "Linear", "Linear"]  # 48, 100 inputs; 40 outputs
+    assert model(torch.randn(2, 64)).shape == (2, 40)
+
+
 def test_quantize_cpu_swaps_every_linear_and_keeps_the_lm_head_weight():
     model = tiny_llama(seed=1)
     head_weight = model.get_output_embeddings().weight
