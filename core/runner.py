@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from core.budget import PLANNED_CONTEXT
+from core.tree import additive_mask
 from models.quants import CPU_QUANTS
 from models.target import Target
 
@@ -258,13 +259,8 @@ class TargetRunner:
     def mask(self, visible: torch.Tensor, length: int) -> torch.Tensor:
         """visible (T, m) bool: which of the m rows written from L on each of T new rows sees ->
         additive (1, 1, T, Lk): every row also sees the L committed rows; columns past L+m are blocked."""
-        t, m = visible.shape
-        lk = min(self.capacity, -(-(length + m) // self.kv_block) * self.kv_block)
-        dtype = self.cache.layers[0].keys.dtype
-        mask = torch.full((1, 1, t, lk), torch.finfo(dtype).min, dtype=dtype, device=self.device)
-        mask[0, 0, :, :length] = 0
-        mask[0, 0, :, length: length + m].masked_fill_(visible, 0)
-        return mask
+        lk = min(self.capacity, -(-(length + visible.shape[1]) // self.kv_block) * self.kv_block)
+        return additive_mask(visible, length, self.cache.layers[0].keys.dtype, width=lk)
 
     def cache_bytes(self) -> int:
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)

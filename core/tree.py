@@ -109,24 +109,16 @@ def children(tree: DraftTree) -> list[list[int]]:
     return kids
 
 
-def tree_attention_mask(tree: DraftTree, past_len: int, dtype: torch.dtype) -> Tensor:
-    """(1, 1, N, past_len+N) additive mask for one target forward over the tree tokens."""
-    return additive_mask(tree.ancestor_mask, past_len, dtype)
-
-
-def additive_mask(visible: Tensor, past_len: int, dtype: torch.dtype) -> Tensor:
-    """visible (T, n) bool -> (1, 1, T, past_len+n) additive mask: every row sees the whole committed
-    prefix, and among the n new columns only those marked visible (0 attends; finfo.min blocks, a
-    -inf that stays finite in sums). A tree passes its ancestor mask, a causal run its lower triangle."""
+def additive_mask(visible: Tensor, past_len: int, dtype: torch.dtype, width: int | None = None) -> Tensor:
+    """visible (T, n) bool -> (1, 1, T, width) additive mask, width >= past_len+n (default equal):
+    every row sees the whole committed prefix, and among the n new columns only those marked
+    visible (0 attends; finfo.min blocks, a -inf that stays finite in sums); columns past
+    past_len+n are blocked. A tree passes its ancestor mask, a causal run its lower triangle."""
     T, n = visible.shape
-    mask = torch.zeros(1, 1, T, past_len + n, dtype=dtype, device=visible.device)
-    mask[0, 0, :, past_len:].masked_fill_(~visible, torch.finfo(dtype).min)
+    mask = torch.full((1, 1, T, width or past_len + n), torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    mask[0, 0, :, :past_len] = 0
+    mask[0, 0, :, past_len: past_len + n].masked_fill_(visible, 0)
     return mask
-
-
-def tree_position_ids(tree: DraftTree, past_len: int) -> Tensor:
-    """(1, N): node i sits at position past_len + depth[i]; siblings share a position."""
-    return (past_len + tree.depth).unsqueeze(0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,7 @@ from core.tree import (
     rerank,
     root_only,
     static_shape,
-    tree_attention_mask,
-    tree_position_ids,
+    additive_mask,
 )
 
 #         0
@@ -44,24 +43,26 @@ def test_hand_built_tree_structure():
         assert t.dtype == torch.long
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("past_len", [0, 5])
-def test_attention_mask_and_positions(dtype, past_len):
+@pytest.mark.parametrize("pad", [0, 9])
+def test_attention_mask_and_depths(dtype, past_len, pad):
     tree = make_tree(TOKENS, PARENTS)
-    mask = tree_attention_mask(tree, past_len, dtype)
-    assert mask.shape == (1, 1, 7, past_len + 7) and mask.dtype == dtype
+    mask = additive_mask(tree.ancestor_mask, past_len, dtype, width=past_len + 7 + pad if pad else None)
+    assert mask.shape == (1, 1, 7, past_len + 7 + pad) and mask.dtype == dtype
     assert (mask[0, 0, :, :past_len] == 0).all()  # the committed prefix is visible to every node
     low = torch.finfo(dtype).min
     for i in range(7):
         for j in range(7):
             assert mask[0, 0, i, past_len + j].item() == (0 if j in ANCESTORS[i] else low)
-    assert tree_position_ids(tree, past_len).tolist() == [[past_len + d for d in [0, 1, 1, 2, 2, 2, 3]]]
+    assert (mask[0, 0, :, past_len + 7:] == low).all()  # columns past the tree: blocked
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]  # node i sits at position past_len + depth[i]
 
 
 def test_root_only_and_chain():
     root = root_only(42)
     assert root.size == 1 and root.max_depth == 0 and root.paths.tolist() == [[0]]
-    assert tree_attention_mask(root, 3, torch.float32).tolist() == [[[[0.0] * 4]]]
+    assert additive_mask(root.ancestor_mask, 3, torch.float32).tolist() == [[[[0.0] * 4]]]
     chain = chain_tree(1, [2, 3, 4])
     assert chain.tokens.tolist() == [1, 2, 3, 4] and chain.parents.tolist() == [-1, 0, 1, 2]
     assert chain.paths.tolist() == [[0, 1, 2, 3]] and chain.ancestor_mask.equal(torch.ones(4, 4).tril().bool())

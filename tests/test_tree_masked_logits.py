@@ -1,8 +1,8 @@
 """DESIGN invariant 2: tree-masked target logits equal sequential-decoding logits along every path.
 
 A tiny random Llama runs through transformers' public interface only: a prefill into a
-`SlabCache`, then ONE forward over a tree's tokens with the 4D mask from `tree_attention_mask`
-and the position ids from `tree_position_ids`. The reference decodes each root-to-leaf path token
+`SlabCache`, then ONE forward over a tree's tokens with the 4D mask `additive_mask` builds from
+its ancestor mask and position ids past_len + depth. The reference decodes each root-to-leaf path token
 by token from a fresh prefill in a plain `DynamicCache`. Then the commit invariant: after
 `cache.keep(past_len, acceptance.nodes)` the cache continues exactly like a fresh prefill of the
 prompt plus the accepted tokens. Both attention backends (sdpa, eager) are checked.
@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from core.kv import SlabCache
-from core.tree import DraftTree, chain_tree, make_tree, root_only, tree_attention_mask, tree_position_ids
+from core.tree import DraftTree, additive_mask, chain_tree, make_tree, root_only
 from core.verify import Acceptance, accept_greedy
 
 VOCAB = 256
@@ -68,8 +68,8 @@ def _verify(model: LlamaForCausalLM, cache: SlabCache, tree: DraftTree, past_len
     """One target forward over the whole tree -> (N, V) logits."""
     out = model(
         input_ids=tree.tokens[None],
-        attention_mask=tree_attention_mask(tree, past_len, torch.float32),
-        position_ids=tree_position_ids(tree, past_len),
+        attention_mask=additive_mask(tree.ancestor_mask, past_len, torch.float32),
+        position_ids=(past_len + tree.depth)[None],
         cache=cache,
         use_cache=True,
     )
