@@ -188,10 +188,12 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
                     for n, tree in fixed_trees.items()})
     if "eagle" in names:
         engines["eagle"] = loaded.engine
-    # transformers' own generate runs on the model as transformers loads it (fp32 on CPU, the same NF4 on CUDA),
-    # not on ours, whose linears, attention and cache the runner has changed.
-    stock = load_target(replace(target_load_spec(spec), quant=None if target.device.type == "cuda" else "none")) \
-        if any(n.startswith("hf_") for n in names) else None
+    # transformers' own generate runs on the model as transformers loads it: on CPU a second, fp32 copy (ours has
+    # int4 or oneDNN linears); on CUDA our NF4 model itself (a second copy might not fit; the runner changed only
+    # its attention function, the same maths, which a 2D-mask caller like generate() reaches through sdpa's mask).
+    stock = None
+    if any(n.startswith("hf_") for n in names):
+        stock = target if target.device.type == "cuda" else load_target(replace(target_load_spec(spec), quant="none"))
 
     def runner(name: str, ids: list[int], ties: set[int]) -> tuple[list[int], Tally]:
         if name.startswith("hf_"):
