@@ -21,6 +21,7 @@ from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.factory import EngineSpec, load_tuned, make_drafter, target_load_spec
 from core.tuner import Tuner
+from models.quants import CPU_QUANTS
 from models.target import Target, load_target
 
 FILLER = "Here is some background you may ignore. "
@@ -220,7 +221,7 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
     report = summarise(target, engines, prompts, results, context)
-    report["cpu_linear"] = "onednn" if loaded.onednn else target.quant if target.quant in ("int4", "int8") else "default"
+    report["cpu_linear"] = "onednn" if loaded.onednn else target.quant if target.quant in CPU_QUANTS else "default"
     report["runner"] = {"compiled": shared.compiled, "buckets": list(shared.buckets), "compile_s": round(loaded.compile_s, 1),
                         "tie_margin": shared.tie_margin,
                         "verify_ms": {n: round(ms, 2) for n, ms in zip(tuner.profile.sizes, tuner.profile.round_ms)

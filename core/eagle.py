@@ -19,7 +19,7 @@ import torch
 from core.config import TreeConfig
 from core.kv import SlabCache
 from core.tree import DraftTree, additive_mask, expand_frontier, make_tree, rerank, static_shape
-from models.cpu_quant import Int4Linear, Int8Linear, quantize_cpu
+from models.cpu_quant import quantize_cpu, quantized
 
 RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tuner.py RANKS)
 
@@ -52,9 +52,9 @@ class EagleDrafter:
         vocabulary's rows, read once per head step. Drafts only: the target still verifies."""
         quantize_cpu(self.head.layers, quant)
         fc = self.head.fc   # keeps `.weight` (fp32, 2.6 MB here): the head reads its dtype from it
-        self.head.fc = Int8Linear(fc, keep_weight=True) if quant == "int8" else Int4Linear(fc, keep_weight=True)
+        self.head.fc = quantized(fc, quant, keep_weight=True)
         if self.vocab_head is not None:
-            self.vocab_head = Int8Linear(self.vocab_head) if quant == "int8" else Int4Linear(self.vocab_head)
+            self.vocab_head = quantized(self.vocab_head, quant)
 
     def reshape(self, tree: TreeConfig) -> None:
         """Draft trees of another shape from the next round on (the tuner re-plans between turns)."""

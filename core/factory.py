@@ -80,7 +80,7 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     kernels = ("onednn" if onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
     key = profile_key(engine, spec.head, kernels, offloaded)
     sizes = LARGE_SIZES if offloaded else SIZES
-    profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes, runner.buckets if runner.compiled else ()))
+    profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes))
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
     max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)

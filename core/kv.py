@@ -1,4 +1,5 @@
-"""The KV cache the engine owns: preallocated slabs behind transformers' public `Cache` API.
+"""The EAGLE draft head's KV cache: preallocated slabs behind transformers' public `Cache` API
+(the target's lives in core/runner.py).
 
 Each layer keeps keys/values in a buffer `(B, Hkv, C, Dh)` with capacity C and a used length L.
 A forward writes its T new entries at [L, L+T) in place and attends to the view [0, L+T), so a

@@ -119,7 +119,7 @@ def cached_profile(cache_dir: Path, key: dict, measure) -> tuple[LatencyProfile,
 
 
 @torch.inference_mode()
-def measure_profile(engine, sizes: tuple[int, ...] = SIZES, buckets: tuple[int, ...] = ()) -> LatencyProfile:
+def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
     """Time the engine's target (and its EAGLE drafter's head, if any) as described above. Leaves
     the engine reset. Token ids are arbitrary: cost does not depend on them."""
     t0 = time.perf_counter()
@@ -143,7 +143,8 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES, buckets: tuple[int, 
         level = max(0.0, (deep - flat - 2 * interpolate(widths, head_ms, 2)) / 2)
     engine.reset()
     return LatencyProfile(tuple(sizes), short_ms, (SHORT_CONTEXT, long_), slope_sizes, slopes, widths, head_ms,
-                          rerank_ms, time.perf_counter() - t0, tuple(buckets), fixed, level)
+                          rerank_ms, time.perf_counter() - t0, engine.runner.buckets if engine.runner.compiled else (),
+                          fixed, level)
 
 
 def monotone(costs: list[float]) -> tuple[float, ...]:

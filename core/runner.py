@@ -125,7 +125,7 @@ class TargetRunner:
         """Feed `ids` at positions start.. after truncating the cache to `start`; -> the logits after
         the last token (1, V) and the features of every fed token. Eager, in causal chunks."""
         self.truncate(start)
-        logits, features = None, []
+        features = []
         for lo in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[lo: lo + PREFILL_CHUNK]
             length = self.length
@@ -133,10 +133,10 @@ class TargetRunner:
             positions = torch.arange(length, length + len(chunk), device=self.device)[None]        # (1, T)
             visible = torch.ones(len(chunk), len(chunk), dtype=torch.bool, device=self.device).tril()
             hidden, feats = self.forward(token_ids, positions, self.mask(visible, length))
-            logits = self.target.model.get_output_embeddings()(hidden[-1:]).float()                 # (1, V)
             features.append(feats)
             self.length += len(chunk)
             self.ids += chunk
+        logits = self.target.model.get_output_embeddings()(hidden[-1:]).float()                     # (1, V)
         return Verified(logits, torch.cat(features) if self.feature_layers is not None else None)
 
     @torch.inference_mode()
@@ -166,7 +166,7 @@ class TargetRunner:
         hidden = torch.cat(hidden)[:n]                                                                # (n, H)
         logits = self.target.model.get_output_embeddings()(hidden).float()                            # (n, V)
         self.verified_at, self.length = length, length + padded_n
-        return Verified(logits, None if self.feature_layers is None else torch.cat(features)[:n].clone())
+        return Verified(logits, None if self.feature_layers is None else torch.cat(features)[:n])  # cat copies
 
     def commit(self, rows: torch.Tensor, tokens: list[int]) -> None:
         """Keep rows `rows` of the last verify (root first; their token ids `tokens`) at [L, L+a)."""

@@ -66,13 +66,19 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def quantized(linear: nn.Linear, quant: str, keep_weight: bool = False) -> nn.Module:
+    """`linear` as an Int4Linear or Int8Linear (`quant` one of CPU_QUANTS)."""
+    if quant not in CPU_QUANTS:
+        raise ValueError(f"CPU weights are one of {CPU_QUANTS}, not {quant!r}")
+    return (Int4Linear if quant == "int4" else Int8Linear)(linear, keep_weight=keep_weight)
+
+
 def quantize_cpu(model: nn.Module, quant: str) -> None:
     """Swap every nn.Linear in `model` (a causal LM's LM head included) for its int4 / int8 version,
     in place. The LM head keeps `.weight`: EAGLE heads and drafters read it (tied to the embedding,
     so no extra memory for models that tie them)."""
     if quant not in CPU_QUANTS:
-        raise ValueError(f"quantize_cpu takes one of {CPU_QUANTS}, not {quant!r}")
-    cls = Int4Linear if quant == "int4" else Int8Linear
+        raise ValueError(f"CPU weights are one of {CPU_QUANTS}, not {quant!r}")
     get_lm_head = getattr(model, "get_output_embeddings", None)
     lm_head = get_lm_head() if get_lm_head is not None else None
     for module in list(model.modules()):
@@ -80,4 +86,4 @@ def quantize_cpu(model: nn.Module, quant: str) -> None:
             # The int4 kernel packs groups of 32 inputs and tiles of 16 outputs; any other shape stays fp32.
             if isinstance(child, nn.Linear) and (quant == "int8" or (child.in_features % GROUP == 0
                                                                      and child.out_features % 16 == 0)):
-                setattr(module, name, cls(child, keep_weight=child is lm_head))
+                setattr(module, name, quantized(child, quant, keep_weight=child is lm_head))
