@@ -235,6 +235,9 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's, one per core); 1 while another job holds a core")
     p.add_argument("--linear", choices=["auto", "onednn", "default"], default="auto",
                    help="CPU matmuls: oneDNN, torch's default (MKL), or auto = whichever a quick timing finds faster")
+    p.add_argument("--features", type=Path, metavar="DIR", help="also keep each answer's target features and teacher "
+                   "logits here, for `launch.py train --features DIR` (saves train its own pass over the answers)")
+    p.add_argument("--kind", choices=["eagle1", "eagle3"], default="eagle1", help="with --features: the head kind whose features to keep")
     p.add_argument("--compare-hf", type=int, nargs="?", const=48, metavar="BATCH",
                    help="benchmark instead: the same prompts through transformers generate (batch 48 unless given), "
                    "then through Aerie's generator; print both tokens/s and the ratio, write nothing")
@@ -401,12 +404,12 @@ def run_train(args: argparse.Namespace) -> None:
 
 def run_generate(args: argparse.Namespace) -> None:
     from core.errors import AerieError
-    from core.generate import FRESH_START, GenerateJob, compare_with_hf, distill
+    from core.distill import FRESH_START, GenerateJob, compare_with_hf, distill
     from models.target import load_target
 
     job = GenerateJob(prompts=args.prompts, start=FRESH_START if args.start is None else args.start, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, prompt_cap=args.prompt_cap, batch=args.batch,
-                      threads=args.threads, linear=args.linear)
+                      threads=args.threads, linear=args.linear, features=args.features, kind=args.kind)
     if not job.prompts.is_file():
         fail(f"No prompts file at {job.prompts}.")
     try:

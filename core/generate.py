@@ -23,28 +23,26 @@ Two CPU speedups are opt-in, for a model the caller owns (`prepare` applies both
 
 Shapes: B cache rows, b rows fed by one forward, T tokens fed per row, C slots per row,
 L attended slots, H kv heads, D head dim, F hidden, V vocab.
-The generator knows token ids only; `write_answers` below adds prompts, the chat template and files.
+With a `Capture`, each answer also brings what head training needs (core/train_data.py), from
+the same forwards: the feature f_p at every position and the top-K logits at every answer
+position. An ended row is fed its last token once more for its own f and teacher row (one
+row-step per answer), so no second, teacher-forced pass over the answers is needed.
+
+The generator knows token ids only; core/distill.py adds prompts, the chat template and files.
 """
 
-import json
-import random
 import time
 from collections import deque
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import psutil
 import torch
-from tqdm import tqdm
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from core.chat import render_prompt
-from core.cpu_linear import OneDnnLinear, onednn_is_faster, use_onednn_linears
-from models.target import Target
 
 CPU_MAX_BATCH = 64          # decode row-tokens/s on 1 core here: 173/219/242/258/252/276 at B=16/32/48/64/96/128
 GPU_MAX_BATCH = 256
@@ -52,7 +50,13 @@ KV_MEMORY_SHARE = 0.25      # of available RAM (CPU) or half of free VRAM (CUDA)
 PREFILL_TOKENS = 8192       # padded tokens per prefill forward (bounds the prefill's activations)
 PAD_SHARE = 0.1             # right padding a prefill group may add to its tokens
 ROW_GROUPS = "aerie_row_groups"  # the attention implementation below, registered with transformers
-COMPARE_PROMPTS = 110       # compare_with_hf's default slice: ~106 prompts, about 5 min on one core
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What to keep of each answer for head training (core/train_data.py's shard format)."""
+    layers: tuple[int, ...]         # output_hidden_states indices concatenated into a feature
+    topk: int                       # teacher logits kept per answer position
 
 
 @dataclass(frozen=True)
@@ -62,12 +66,16 @@ class GenConfig:
     eos_ids: tuple[int, ...] = ()
     share_prefix: bool = True       # encode the prompts' common prefix once
     bands: int = 8                  # row bands attended separately, with ROW_GROUPS attention (see sink_holes)
+    capture: Capture | None = None  # also return each answer's features and teacher logits
 
 
 @dataclass(frozen=True)
 class Answer:
     index: int                      # the prompt's position in the list given to `generate`
     answer_ids: tuple[int, ...]     # ends with an EOS id when the model finished, else cut at the cap
+    features: torch.Tensor | None = None        # (P + A, F) fp16 f_p, with a Capture
+    teacher_ids: torch.Tensor | None = None     # (A, K) int32 top-K of x_{p+1} at answer positions p
+    teacher_logits: torch.Tensor | None = None  # (A, K) fp16, sorted: [:, 0] is the argmax
 
 
 @dataclass
@@ -79,9 +87,18 @@ class GenStats:
     row_steps: int = 0              # rows fed by decode steps: one answer token each, none wasted
     prefill_tokens: int = 0         # fed by prefills, right padding included
     prefill_s: float = 0.0
+    closing_steps: int = 0          # rows fed their last answer token for its features (Capture only)
     decode_s: float = 0.0
     attended_slots: int = 0         # K/V slots decode steps read: rows x their band's longest row
     used_slots: int = 0             # of which inside their row: the rest is padding the mask hides
+
+
+@dataclass
+class Fed:
+    """What a capturing forward returns besides the tokens."""
+    features: torch.Tensor          # (b, T, F) fp16 f of every fed token
+    teacher_ids: torch.Tensor       # (b, K) top-K after column `last` of each row
+    teacher_logits: torch.Tensor    # (b, K) fp16
 
 
 @dataclass
@@ -90,6 +107,9 @@ class Row:
     prompt_len: int
     cap: int
     answer: list[int]
+    features: list = field(default_factory=list)   # (n, F) pieces, positions 0.. in order (Capture)
+    teacher: list = field(default_factory=list)    # (ids (K,), logits (K,)) per fed answer token
+    closing: bool = False                          # ended; fed once more for its last features
 
     @property
     def position(self) -> int:      # where the newest token (not yet fed) goes
@@ -233,30 +253,42 @@ class BatchGenerator:
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype  # activations (and the mask) have it, quantized or not
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
-        layers = model.config.get_text_config().num_hidden_layers
-        self.cache = RowCache(layers, cfg.batch, capacity)
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.cache = RowCache(self.num_layers, cfg.batch, capacity)
         self.banded = model.config._attn_implementation == ROW_GROUPS and cfg.bands > 1
         self.stats = GenStats()
+        self.prefix_features = None  # (n, F) of the shared prefix, with a Capture
 
     @torch.inference_mode()
     def forward(self, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
-                leading: int | None = None, groups: list | None = None) -> list[int]:
+                leading: int | None = None, groups: list | None = None) -> tuple[list[int], Fed | None]:
         """Feed ids (b, T) at positions (b, T) to cache rows (b,); return the greedy next token
-        after column last[r] of each row. `groups` go to ROW_GROUPS attention."""
+        after column last[r] of each row, and with a Capture what it keeps. `groups` go to
+        ROW_GROUPS attention."""
         self.cache.plan_feed(rows, positions, leading)
         mask = feed_mask(positions, self.cache.plan.length, self.dtype)
         extra = {"row_groups": groups} if groups else {}
+        capture = self.cfg.capture
+        inner = capture is not None and any(i != self.num_layers for i in capture.layers)  # else: the last state
         out = self.decoder(input_ids=ids, position_ids=positions, attention_mask=mask, cache=self.cache,
-                           use_cache=True, **extra)
+                           use_cache=True, output_hidden_states=inner, **extra)
         hidden = out.last_hidden_state[torch.arange(len(rows), device=self.device), last]  # (b, F)
-        return self.head(hidden).argmax(-1).tolist()  # (b, V) -> b ids: the one host sync per forward
+        logits = self.head(hidden)  # (b, V)
+        tokens = logits.argmax(-1).tolist()  # b ids: the one host sync per forward
+        if capture is None:
+            return tokens, None
+        top = logits.float().topk(capture.topk, dim=-1)  # sorted: [:, 0] = argmax
+        states = [out.last_hidden_state if i == self.num_layers else out.hidden_states[i] for i in capture.layers]
+        features = torch.cat(states, dim=-1).half().cpu()
+        return tokens, Fed(features, top.indices.int().cpu(), top.values.half().cpu())
 
     @torch.inference_mode()  # torch enters it around each resume of the generator
     def generate(self, prompts: Sequence[Sequence[int]], caps: Sequence[int] | None = None) -> Iterator[Answer]:
         """Greedy answers, yielded as they finish (not in prompt order)."""
         caps = list(caps) if caps is not None else [self.cfg.max_new_tokens] * len(prompts)
+        fed = len if self.cfg.capture else (lambda p: len(p) - 1)  # without a Capture the last token is never fed
         for i, (p, cap) in enumerate(zip(prompts, caps, strict=True)):
-            if not p or cap < 1 or len(p) + cap - 1 > self.capacity:  # the last answer token is never fed
+            if not p or cap < 1 or fed(p) + cap > self.capacity:
                 raise ValueError(f"prompt {i}: {len(p)} tokens + cap {cap} do not fit {self.capacity} cache slots")
         if not prompts:
             return
@@ -273,10 +305,11 @@ class BatchGenerator:
         n = min(n, min(len(p) for p in prompts) - 1)
         if n > 0:
             positions = torch.arange(n, device=self.device)[None]  # (1, n)
-            self.forward(torch.zeros(1, dtype=torch.long, device=self.device),
-                         torch.tensor([list(prompts[0][:n])], device=self.device), positions,
-                         torch.tensor([n - 1], device=self.device))
+            _, fed = self.forward(torch.zeros(1, dtype=torch.long, device=self.device),
+                                  torch.tensor([list(prompts[0][:n])], device=self.device), positions,
+                                  torch.tensor([n - 1], device=self.device))
             self.cache.save_prefix(0, n)
+            self.prefix_features = fed.features[0] if fed else None
         return max(n, 0)
 
     def refill(self, slots: list, queue: deque, prompts, caps, prefix: int) -> Iterator[Answer]:
@@ -291,10 +324,11 @@ class BatchGenerator:
             slots.extend([None] * (max(free[: len(take)]) + 1 - len(slots)))
             for group in prefill_groups([len(prompts[i]) - prefix for i in take]):
                 rows, indices = [free[j] for j in group], [take[j] for j in group]
-                first = self.prefill(rows, [prompts[i][prefix:] for i in indices], prefix)
-                for r, i, token in zip(rows, indices, first):
-                    slots[r] = Row(i, len(prompts[i]), caps[i], [token])
-                    if self.finished(slots[r]):
+                suffixes = [prompts[i][prefix:] for i in indices]
+                first, fed = self.prefill(rows, suffixes, prefix)
+                for j, (r, i, token) in enumerate(zip(rows, indices, first)):
+                    slots[r] = self.new_row(Row(i, len(prompts[i]), caps[i], [token]), fed, j, len(suffixes[j]))
+                    if self.finished(slots[r]) and not slots[r].closing:
                         yield self.emit(slots[r])
                         slots[r] = None
         self.sink_holes(slots)
@@ -305,6 +339,13 @@ class BatchGenerator:
                 hole = slots.index(None)
                 self.move(slots, len(slots) - 1, hole)
                 slots.pop()
+
+    def new_row(self, row: Row, fed: Fed | None, j: int, fed_len: int) -> Row:
+        """With a Capture, a new row starts with the features of its prompt (j: its place in the prefill)."""
+        if fed is not None:
+            row.features = [f for f in (self.prefix_features, fed.features[j, :fed_len]) if f is not None]
+            row.closing = self.finished(row)
+        return row
 
     def sink_holes(self, slots: list) -> None:
         """Move each hole to the last band: every later band gives its longest row to the band
@@ -324,7 +365,7 @@ class BatchGenerator:
         self.cache.move_row(src, dst, slots[src].position)
         slots[dst], slots[src] = slots[src], None
 
-    def prefill(self, rows: list[int], suffixes: list[Sequence[int]], prefix: int) -> list[int]:
+    def prefill(self, rows: list[int], suffixes: list[Sequence[int]], prefix: int) -> tuple[list[int], Fed | None]:
         """Feed each prompt after the shared prefix, right-padded (pads sit after a row's last
         token, so the mask keeps them out of its attention; its decode overwrites their slots)."""
         t0 = time.perf_counter()
@@ -348,16 +389,25 @@ class BatchGenerator:
         rows = torch.arange(n, device=self.device)
         ends = [row.position + 1 for row in slots]  # slots each row attends to
         groups = [(lo, hi, max(ends[lo:hi])) for lo, hi in bands(n, self.cfg.bands)] if self.banded else [(0, n, max(ends))]
-        tokens = self.forward(rows, ids, positions, torch.zeros(n, dtype=torch.long, device=self.device), leading=n,
-                              groups=groups if self.banded else None)
+        tokens, fed = self.forward(rows, ids, positions, torch.zeros(n, dtype=torch.long, device=self.device),
+                                   leading=n, groups=groups if self.banded else None)
+        closing = sum(row.closing for row in slots)
         self.stats.decode_steps += 1
-        self.stats.row_steps += n
+        self.stats.row_steps += n - closing
+        self.stats.closing_steps += closing
         self.stats.attended_slots += sum((hi - lo) * length for lo, hi, length in groups)
         self.stats.used_slots += sum(ends)
         self.stats.decode_s += time.perf_counter() - t0
         for r, (row, token) in enumerate(zip(slots, tokens)):
-            row.answer.append(token)
-            if self.finished(row):
+            if fed is not None:  # f and teacher row of the answer token just fed
+                row.features.append(fed.features[r])
+                row.teacher.append((fed.teacher_ids[r], fed.teacher_logits[r]))
+            if row.closing:  # its last token is in, features and all: done
+                row.closing = False
+            else:
+                row.answer.append(token)
+                row.closing = fed is not None and self.finished(row)
+            if self.finished(row) and not row.closing:
                 yield self.emit(row)
                 slots[r] = None
 
@@ -367,7 +417,10 @@ class BatchGenerator:
     def emit(self, row: Row) -> Answer:
         self.stats.answers += 1
         self.stats.answer_tokens += len(row.answer)
-        return Answer(row.index, tuple(row.answer))
+        if not row.teacher:
+            return Answer(row.index, tuple(row.answer))
+        ids, logits = zip(*row.teacher)
+        return Answer(row.index, tuple(row.answer), torch.cat(row.features), torch.stack(ids), torch.stack(logits))
 
 
 def choose_batch(model, capacity: int, device: torch.device) -> int:
@@ -392,142 +445,3 @@ def use_row_group_attention(model) -> None:
     AttentionInterface.register(ROW_GROUPS, row_groups_attention)
     AttentionMaskInterface.register(ROW_GROUPS, sdpa_mask)
     model.set_attn_implementation(ROW_GROUPS)
-
-
-# ---------------------------------------------------------------- distill files
-
-DISTILL_SEED = 1234  # ../shared/distill shuffled mix_v1 with random.Random(1234); so do we
-# Shuffled mix_v1 indices the shipped answers used (matched by prompt text): greedy-200.jsonl took
-# 0-840, greedy-256.jsonl 6000-9286. 9287 is the first index after both; 841-5999 are unused too.
-FRESH_START = 9287
-
-
-def shuffled_prompts(path: Path, start: int, limit: int | None) -> list[str]:
-    texts = [json.loads(line)["prompt"] for line in path.read_text().split("\n") if line.strip()]
-    random.Random(DISTILL_SEED).shuffle(texts)
-    return texts[start: None if limit is None else start + limit]
-
-
-def answered_prompts(out: Path) -> set[str]:
-    """Prompts already answered in `out`. A torn last line (a killed run) is cut off first."""
-    if not out.is_file():
-        return set()
-    data = out.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[: data.rfind(b"\n") + 1]
-        out.write_bytes(data)
-    return {json.loads(line)["prompt"] for line in data.decode().split("\n") if line.strip()}
-
-
-def write_answers(generator: BatchGenerator, tokenizer, texts: list[str], out: Path, prompt_cap: int,
-                  progress: bool = True) -> dict:
-    """Answer every text not yet in `out` whose chat-templated prompt has <= prompt_cap tokens,
-    appending distill lines {prompt, prompt_ids, answer_ids} as answers finish. Resumable."""
-    done = answered_prompts(out)
-    todo = [t for t in dict.fromkeys(texts) if t not in done]
-    rendered = [render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in todo]
-    keep = [i for i, ids in enumerate(rendered) if len(ids) <= prompt_cap]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tokens, t0 = 0, time.perf_counter()
-    with out.open("a") as f, tqdm(total=len(keep), unit="answer", disable=not progress, smoothing=0.05) as bar:
-        for answer in generator.generate([rendered[i] for i in keep]):
-            i = keep[answer.index]
-            f.write(json.dumps({"prompt": todo[i], "prompt_ids": rendered[i], "answer_ids": list(answer.answer_ids)}) + "\n")
-            f.flush()
-            tokens += len(answer.answer_ids)
-            bar.update(1)
-            bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
-    seconds = time.perf_counter() - t0
-    return {"already_answered": len(texts) - len(todo), "over_prompt_cap": len(todo) - len(keep),
-            "answered": len(keep), "answer_tokens": tokens, "seconds": round(seconds, 1),
-            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
-
-
-# ---------------------------------------------------------------- jobs: launch.py generate
-
-@dataclass(frozen=True)
-class GenerateJob:
-    prompts: Path                   # jsonl with a "prompt" field, shuffled with DISTILL_SEED
-    start: int = FRESH_START        # first shuffled index used
-    limit: int | None = None        # shuffled prompts from `start` (None: all the rest)
-    max_new_tokens: int = 256
-    prompt_cap: int = 256           # prompts whose chat-templated form is longer are skipped
-    batch: int | None = None        # None: choose_batch
-    threads: int | None = None      # None: torch's default
-    linear: str = "auto"            # "onednn", "default" (torch's), or "auto": whichever times faster
-
-
-def prepare(target: Target, job: GenerateJob) -> BatchGenerator:
-    """A generator for the job. May swap the target's linear layers for oneDNN ones, in place."""
-    if job.threads:
-        torch.set_num_threads(job.threads)
-    capacity = job.prompt_cap + job.max_new_tokens
-    if capacity > target.context_len:
-        raise ValueError(f"--prompt-cap + --max-new-tokens = {capacity} exceeds the model's context of {target.context_len}")
-    batch = job.batch or choose_batch(target.model, capacity, target.device)
-    if job.linear == "onednn" or (job.linear == "auto" and onednn_is_faster(target.model, batch)):
-        use_onednn_linears(target.model, batch)
-    use_row_group_attention(target.model)
-    return BatchGenerator(target.model, GenConfig(batch, job.max_new_tokens, target.eos_ids), capacity)
-
-
-def describe(gen: BatchGenerator) -> dict:
-    s = gen.stats
-    onednn = isinstance(gen.head, OneDnnLinear)
-    return {"batch": gen.cfg.batch, "linear": "onednn" if onednn else "default", "decode_steps": s.decode_steps,
-            "rows_per_step": round(s.row_steps / max(s.decode_steps, 1), 1), "decode_s": round(s.decode_s, 1),
-            "prefill_s": round(s.prefill_s, 1), "prefill_tokens": s.prefill_tokens,
-            "attended_slots_used": round(s.used_slots / max(s.attended_slots, 1), 2)}
-
-
-def distill(target: Target, job: GenerateJob, out: Path) -> dict:
-    """Append the target's greedy answers to `out` (resumable); a summary for the last line."""
-    gen = prepare(target, job)
-    texts = shuffled_prompts(job.prompts, job.start, job.limit)
-    return {**write_answers(gen, target.tokenizer, texts, out, job.prompt_cap), **describe(gen)}
-
-
-def compare_with_hf(target: Target, job: GenerateJob, hf_batch: int = 48) -> dict:
-    """The job's prompts through transformers `generate` (left-padded batches of hf_batch) and then
-    through the batched generator, in one process: answer tokens/s of each, and their ratio."""
-    if job.threads:
-        torch.set_num_threads(job.threads)
-    texts = shuffled_prompts(job.prompts, job.start, job.limit or COMPARE_PROMPTS)
-    rendered = [render_prompt(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    prompts = [p for p in rendered if len(p) <= job.prompt_cap]
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.eos_ids[0]
-    t0 = time.perf_counter()
-    hf = hf_generate(target.model, prompts, job.max_new_tokens, hf_batch, target.eos_ids, pad)
-    hf_s = time.perf_counter() - t0
-    gen = prepare(target, job)  # after the baseline: it may convert the linears
-    t0 = time.perf_counter()
-    ours = {a.index: a.answer_ids for a in gen.generate(prompts)}
-    ours_s = time.perf_counter() - t0
-    hf_tokens, our_tokens = sum(map(len, hf)), sum(map(len, ours.values()))
-    return {"prompts": len(prompts), "max_new_tokens": job.max_new_tokens, "threads": torch.get_num_threads(),
-            "hf_generate": {"batch": hf_batch, "answer_tokens": hf_tokens, "seconds": round(hf_s, 1),
-                            "tokens_per_s": round(hf_tokens / hf_s, 1)},
-            "aerie": {"answer_tokens": our_tokens, "seconds": round(ours_s, 1),
-                      "tokens_per_s": round(our_tokens / ours_s, 1), **describe(gen)},
-            "speedup": round((our_tokens / ours_s) / (hf_tokens / hf_s), 2),
-            "identical_answers": sum(ours[i] == hf[i] for i in range(len(prompts)))}
-
-
-# ---------------------------------------------------------------- the baseline
-
-@torch.inference_mode()
-def hf_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch: int,
-                eos_ids: tuple[int, ...], pad_id: int) -> list[tuple[int, ...]]:
-    """transformers `generate`, greedy, left-padded batches in prompt order; answers cut after EOS."""
-    device, answers = next(model.parameters()).device, []
-    for s in range(0, len(prompts), batch):
-        group = prompts[s: s + batch]
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in group], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
-        out = model.generate(input_ids=ids, attention_mask=attention, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=list(eos_ids) or None, pad_token_id=pad_id)
-        for row in out[:, width:].tolist():
-            end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-            answers.append(tuple(row[:end]))
-    return answers

@@ -6,6 +6,8 @@ Three stages, each resumable:
   2. capture: one teacher-forced target pass over prompt + answer gives the head's input feature f_p
      at every position p and the target's top-K next-token logits at the answer positions. Shards
      of fp16 safetensors are named by a digest of what went in, so a rerun reuses what exists.
+     Conversations whose features `launch.py generate --features` kept while answering (shards
+     named gen-*, grouped as answers finished) are copied from there instead of captured again.
   3. batches: sequences pooled, bucketed by length and right-padded to at most `batch_tokens`.
 
 Positions: a sequence x_0..x_{L-1} is the prompt (P tokens) then the answer (A = L - P tokens).
@@ -32,6 +34,8 @@ from models.errors import AerieError
 from models.target import Target
 
 PREFIX_CHARS = 60  # a prompt whose first 60 characters match a benchmark prompt's is dropped
+GENERATED = "gen-"  # name prefix of shards written by the generator
+TEACHER_TOPK = 64   # teacher logits kept per answer position
 
 
 class TrainDataError(AerieError):
@@ -59,7 +63,7 @@ class DataConfig:
     features_dir: Path | None = None      # shard folder (None = OUT/features); may be shared by runs
     shard_size: int = 64                  # conversations per shard
     capture_tokens: int = 4096            # padded tokens per target forward during capture
-    teacher_topk: int = 64                # teacher logits kept per answer position
+    teacher_topk: int = TEACHER_TOPK
 
 
 def load_conversations(cfg: DataConfig, vocab_size: int, context_len: int) -> tuple[list[Conversation], int]:
@@ -135,23 +139,76 @@ def forward_batch(target: Target, convs: list[Conversation], layers: tuple[int, 
     return rows
 
 
-def capture_shard(target: Target, convs: list[Conversation], layers: tuple[int, ...], cfg: DataConfig) -> dict:
-    """Tensors of one shard, sequences in the given order, batched shortest-first within the shard."""
-    lengths = torch.tensor([len(c.ids) for c in convs])
-    rows: dict[int, dict] = {}
-    for batch in length_batches(lengths, cfg.capture_tokens, None, pool=len(convs)):
-        rows |= dict(zip(batch, forward_batch(target, [convs[i] for i in batch], layers, cfg.teacher_topk)))
+def capture_shard(target: Target, convs: list[Conversation], layers: tuple[int, ...], cfg: DataConfig,
+                  generated: "Generated") -> tuple[dict, int]:
+    """Tensors of one shard, sequences in the given order, and how many positions came from `generated`.
+    The others are captured now, batched shortest-first within the shard."""
+    rows = {i: r for i, c in enumerate(convs) if (r := generated.rows(c)) is not None}
+    reused = sum(len(convs[i].ids) for i in rows)
+    todo = [i for i in range(len(convs)) if i not in rows]
+    lengths = torch.tensor([len(convs[i].ids) for i in todo])
+    for batch in length_batches(lengths, cfg.capture_tokens, None, pool=max(len(todo), 1)) if todo else []:
+        found = forward_batch(target, [convs[todo[b]] for b in batch], layers, cfg.teacher_topk)
+        rows |= {todo[b]: r for b, r in zip(batch, found)}
+    return shard_tensors(convs, [rows[i] for i in range(len(convs))]), reused
+
+
+def shard_tensors(convs: list[Conversation], rows: list[dict]) -> dict:
+    """The shard format: rows[s] holds features (L, F), teacher_ids and teacher_logits (A, K) of convs[s]."""
     return {
-        "tokens": torch.tensor([t for c in convs for t in c.ids], dtype=torch.int32),          # (N,)
-        "lengths": lengths, "prompt_lens": torch.tensor([len(c.prompt_ids) for c in convs]),   # (S,)
-        **{k: torch.cat([rows[i][k] for i in range(len(convs))]) for k in rows[0]},            # (N, F), (M, K)
+        "tokens": torch.tensor([t for c in convs for t in c.ids], dtype=torch.int32),                  # (N,)
+        "lengths": torch.tensor([len(c.ids) for c in convs]),                                          # (S,)
+        "prompt_lens": torch.tensor([len(c.prompt_ids) for c in convs]),                               # (S,)
+        **{k: torch.cat([r[k] for r in rows]) for k in ("features", "teacher_logits", "teacher_ids")},  # (N, F), (M, K)
     }
+
+
+def write_shard(path: Path, tensors: dict, layers: tuple[int, ...], signature: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+              metadata={"layers": str(layers), "signature": signature})
+    os.replace(tmp, path)  # atomic: a killed capture leaves no half shard under the final name
+
+
+def signature(target: Target, layers: tuple[int, ...], topk: int) -> str:
+    """Which target, feature layers and teacher size a shard's numbers come from."""
+    return json.dumps([target.name, target.quant, str(target.dtype), list(layers), topk])
 
 
 def shard_digest(convs: list[Conversation], target: Target, layers: tuple[int, ...], topk: int) -> str:
     key = json.dumps([target.name, target.quant, str(target.dtype), layers, topk, [c.ids for c in convs],
                       [len(c.prompt_ids) for c in convs]])
     return hashlib.sha1(key.encode()).hexdigest()[:20]
+
+
+def conversation_key(prompt_ids, answer_ids) -> bytes:
+    return hashlib.sha1(json.dumps([list(prompt_ids), list(answer_ids)]).encode()).digest()
+
+
+class Generated:
+    """The generator's shards (gen-*) in a folder that match `signature`: conversation -> its rows."""
+
+    def __init__(self, folder: Path, signature: str):
+        self.where: dict[bytes, tuple[Path, int, int, int, int]] = {}  # key -> (shard, a, z, ta, tz)
+        for path in sorted(folder.glob(f"{GENERATED}*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                if f.metadata().get("signature") != signature:
+                    continue
+                tokens = f.get_tensor("tokens").tolist()
+                lengths, prompt_lens = f.get_tensor("lengths").tolist(), f.get_tensor("prompt_lens").tolist()
+            a = ta = 0
+            for L, P in zip(lengths, prompt_lens):
+                self.where[conversation_key(tokens[a: a + P], tokens[a + P: a + L])] = (path, a, a + L, ta, ta + L - P)
+                a, ta = a + L, ta + L - P
+
+    def rows(self, conv: Conversation) -> dict | None:
+        hit = self.where.get(conversation_key(conv.prompt_ids, conv.answer_ids))
+        if hit is None:
+            return None
+        path, a, z, ta, tz = hit
+        with safe_open(str(path), "pt") as f:
+            return {"features": f.get_slice("features")[a:z], "teacher_logits": f.get_slice("teacher_logits")[ta:tz],
+                    "teacher_ids": f.get_slice("teacher_ids")[ta:tz]}
 
 
 def capture(target: Target, convs: list[Conversation], layers: tuple[int, ...], cfg: DataConfig,
@@ -161,19 +218,20 @@ def capture(target: Target, convs: list[Conversation], layers: tuple[int, ...], 
     chunks = [convs[i: i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
     paths = [folder / f"{shard_digest(c, target, layers, cfg.teacher_topk)}.safetensors" for c in chunks]
     todo = [(c, p) for c, p in zip(chunks, paths) if not p.is_file()]
-    positions, t0 = 0, time.perf_counter()
+    generated = Generated(folder, signature(target, layers, cfg.teacher_topk)) if todo else None
+    positions, reused, t0 = 0, 0, time.perf_counter()
     bar = tqdm(total=sum(len(x.ids) for c, _ in todo for x in c), unit="pos", desc=f"capture {label}",
                disable=not todo, dynamic_ncols=True)
     for chunk, path in todo:
-        tensors = capture_shard(target, chunk, layers, cfg)
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"layers": str(layers)})
-        os.replace(tmp, path)  # atomic: a killed capture leaves no half shard under the final name
-        positions += len(tensors["tokens"])
+        tensors, found = capture_shard(target, chunk, layers, cfg, generated)
+        write_shard(path, tensors, layers, signature(target, layers, cfg.teacher_topk))
+        reused += found
+        positions += len(tensors["tokens"]) - found
         bar.update(len(tensors["tokens"]))
     bar.close()
     seconds = time.perf_counter() - t0
-    return paths, {"shards": len(paths), "captured_shards": len(todo), "positions": positions, "seconds": seconds}
+    return paths, {"shards": len(paths), "captured_shards": len(todo), "positions": positions,
+                   "from_generated": reused, "seconds": seconds}
 
 
 # ---------------------------------------------------------------- in memory

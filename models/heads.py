@@ -256,7 +256,7 @@ class Eagle1Head(EagleHead):
         self.rotary = Rotary(config)
 
     def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
-        return (num_target_layers,)  # hidden_states[-1]: last layer's output after the final norm
+        return feature_layers("eagle1", num_target_layers)
 
     def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
         emb = self.target.embed(token_ids).to(self.fc.weight.dtype)      # (1, T, H)
@@ -288,8 +288,7 @@ class Eagle3Head(EagleHead):
         self.rotary = Rotary(config)
 
     def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
-        L = num_target_layers
-        return (2, L // 2, L - 3)  # inputs of decoder layers 2, L//2, L-3 (eagle.md 0.1)
+        return feature_layers("eagle3", num_target_layers)
 
     def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
         embed = self.embed_tokens if self.config.own_embedding else self.target.embed
@@ -306,6 +305,14 @@ class Eagle3Head(EagleHead):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+
+def feature_layers(kind: str, num_target_layers: int) -> tuple[int, ...]:
+    """Indices into the target's `output_hidden_states` that a head of `kind` reads, concatenated."""
+    L = num_target_layers
+    if kind == "eagle1":
+        return (L,)  # hidden_states[-1]: last layer's output after the final norm
+    return (2, L // 2, L - 3)  # inputs of decoder layers 2, L//2, L-3 (eagle.md 0.1)
 
 
 def build_head(config: HeadConfig, target_embed: nn.Module, target_lm_head: nn.Module) -> EagleHead:

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from core.cpu_linear import OneDnnLinear, use_onednn_linears
-from core.generate import (FRESH_START, PAD_SHARE, ROW_GROUPS, BatchGenerator, GenConfig, bands,
-                           choose_batch, hf_generate, prefill_groups, shuffled_prompts,
-                           use_row_group_attention, write_answers)
-from tests.conftest import tiny_llama
+from core.distill import FRESH_START, FeatureShards, hf_generate, shuffled_prompts, write_answers
+from core.generate import (PAD_SHARE, ROW_GROUPS, BatchGenerator, Capture, GenConfig, bands, choose_batch,
+                           prefill_groups, use_row_group_attention)
+from core.train_data import signature
+from tests.conftest import tiny_llama, tiny_target
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 PREFIX = [11, 12, 13, 14, 15, 16]  # like a chat template's system block: shared by every prompt
@@ -185,5 +186,61 @@ def test_launch_generate_flags():
         (None, None, 256, 256, None, None)
     assert args.prompts.name == "mix_v1.jsonl" and args.linear == "auto"
     assert launch.parse_generate_args(["--compare-hf", "--limit", "96"]).compare_hf == 48
+    assert (args.features, args.kind) == (None, "eagle1")
+    keep = launch.parse_generate_args(["--out", "a.jsonl", "--features", "f", "--kind", "eagle3"])
+    assert (str(keep.features), keep.kind) == ("f", "eagle3")
     with pytest.raises(SystemExit):
         launch.parse_generate_args([])
+
+
+@pytest.mark.parametrize("layers", [(2,), (0, 1, 2)])
+def test_captured_answers_carry_the_teacher_forced_features(layers):
+    """With a Capture each answer brings f_p at every position and the top-K at every answer
+    position, equal to one teacher-forced pass over prompt + answer; the answers are unchanged."""
+    model = tiny_llama(seed=5)
+    prompts = make_prompts(9, seed=3)
+    eos = reachable_eos(model, prompts)
+    plain = BatchGenerator(model, GenConfig(batch=4, max_new_tokens=10, eos_ids=eos), capacity=64)
+    capturing = BatchGenerator(model, GenConfig(batch=4, max_new_tokens=10, eos_ids=eos, capture=Capture(layers, 8)),
+                               capacity=64)
+    expected = {a.index: a.answer_ids for a in plain.generate(prompts)}
+    answers = list(capturing.generate(prompts, caps=[1] + [10] * 8))  # a one-token answer closes at once
+    assert {a.index: a.answer_ids for a in answers if a.index} == {i: v for i, v in expected.items() if i}
+    assert capturing.stats.closing_steps == len(prompts)
+    for a in answers:
+        ids = torch.tensor([prompts[a.index] + list(a.answer_ids)])
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+        P = len(prompts[a.index])
+        want = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)                # (L, F)
+        top = out.logits[0, P:].topk(8, dim=-1)                                            # (A, 8)
+        assert a.features.shape == want.shape and a.teacher_ids.shape == (len(a.answer_ids), 8)
+        torch.testing.assert_close(a.features.float(), want, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(a.teacher_logits.float(), top.values, atol=5e-3, rtol=2e-3)
+        assert a.teacher_ids[:, 0].tolist() == top.indices[:, 0].tolist()
+        assert a.teacher_ids[:-1, 0].tolist() == list(a.answer_ids[1:])  # greedy: the argmax is the next token
+
+
+def test_train_takes_generated_features_instead_of_capturing(tmp_path):
+    """`generate --features` shards stand in for train's own capture: nothing is captured again and
+    the shards train assembles equal those a capture would write."""
+    from core.train_data import DataConfig, capture, load_conversations, load_features
+
+    model, tok = tiny_llama(seed=7), ByteTokenizer()
+    target = tiny_target(model)
+    shards = FeatureShards(tmp_path / "gen", (2,), signature(target, (2,), 16))
+    gen = BatchGenerator(model, GenConfig(batch=3, max_new_tokens=8, capture=Capture((2,), 16)), capacity=120)
+    texts = [f"question {i}: " + "why" * (i % 5) for i in range(10)]
+    write_answers(gen, tok, texts, tmp_path / "answers.jsonl", prompt_cap=100, progress=False, shards=shards)
+    assert len(list((tmp_path / "gen").glob("gen-*.safetensors"))) == 1  # 10 answers: one flush at the end
+    cfg = DataConfig(answers=(tmp_path / "answers.jsonl",), shard_size=4, teacher_topk=16)
+    convs, _ = load_conversations(cfg, 256, 512)
+    reused, stats = capture(target, convs, (2,), cfg, tmp_path / "gen", "t")
+    fresh, _ = capture(target, convs, (2,), cfg, tmp_path / "fresh", "t")
+    assert stats["positions"] == 0 and stats["from_generated"] == sum(len(c.ids) for c in convs)
+    a, b = load_features(reused), load_features(fresh)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.starts, b.starts) and torch.equal(a.tstarts, b.tstarts)
+    torch.testing.assert_close(a.features.float(), b.features.float(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(a.teacher_ids[:, 0], b.teacher_ids[:, 0])
+    other = capture(target, convs, (1,), cfg, tmp_path / "gen", "t")[1]  # other layers: not these features
+    assert other["from_generated"] == 0 and other["positions"] == stats["from_generated"]
