@@ -25,14 +25,13 @@ from tqdm import tqdm
 
 from core.train_data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_conversations,
                              load_features, make_batch, split)
-from core.train_head import LossWeights, chain_hits, draft_index, frequent_tokens, losses, new_head, unroll, warm_start
+from core.train_head import DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head, unroll, warm_start
 from models.errors import AerieError, UnsupportedModelError
 from models.head_checkpoint import save_draft_vocab, save_head
 from models.heads import KINDS, EagleHead
 from models.target import Target
 
 CHECKPOINT = "checkpoint.pt"
-EAGLE1_DRAFT_VOCAB = 8192  # frequent answer tokens an EAGLE-1 head drafts from (98% of answer tokens here)
 RUN_CONTROL = ("save_every", "eval_every", "log_every", "stop_at_step", "time_limit_s", "threads")  # may change on resume
 
 
@@ -97,7 +96,7 @@ class Run:
     device: torch.device
     amp: torch.dtype | None          # autocast dtype where the target computes in 16 bits
     noise_amp: float                 # a of U(-a, a)
-    draft_index: torch.Tensor | None  # (V,) target id -> draft index, -1 outside; None = identity
+    vocab: DraftVocab                # the columns the head is scored on
 
 
 @dataclass
@@ -123,7 +122,7 @@ def train_step(head: EagleHead, opt: torch.optim.Optimizer, batch: Batch, cfg: T
         group["lr"] = lr
     with autocast(run):
         loss, stats = losses(head, unroll(head, batch, cfg.steps, run.noise_amp, rng), batch, cfg.loss_weights,
-                             run.draft_index)
+                             run.vocab)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
@@ -151,8 +150,8 @@ def evaluate(head: EagleHead, valset: FeatureSet, cfg: TrainConfig, run: Run) ->
         batch = make_batch(valset, seqs, run.device)
         with autocast(run):
             outs = unroll(head, batch, depth, 0.0, None)
-            loss, stats = losses(head, outs[:1], batch, cfg.loss_weights, run.draft_index)
-            r, m, t = chain_hits(head, outs, batch)
+            loss, stats = losses(head, outs[:1], batch, cfg.loss_weights, run.vocab)
+            r, m, t = chain_hits(head, outs, batch, run.vocab)
         loss_sum, n0 = loss_sum + stats["loss"] * stats["positions"], n0 + stats["positions"]
         reached, matched, top5 = [a + b for a, b in zip(reached, r)], [a + b for a, b in zip(matched, m)], top5 + t
     alphas = [m / r if r else 0.0 for m, r in zip(matched, reached)]
@@ -286,12 +285,12 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     val_paths, cap_val = capture(target, val_convs, layers, data, folder, "val")
     trainset, valset = load_features(train_paths), load_features(val_paths)
     rms = float(trainset.features[:100_000].float().pow(2).mean().sqrt())  # feature scale, for the noise
-    run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, draft_index(head))
+    vocab = draft_vocab(head, [c.answer_ids for c in train_convs])
+    run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, vocab)
     progress, finished = fit(head, trainset, valset, cfg, run, out, resume, [p.stem for p in train_paths], deadline)
     save_head(head, out)
-    if cfg.kind == "eagle1" and head.config.vocab_size > EAGLE1_DRAFT_VOCAB:
-        answers = [c.answer_ids for c in train_convs]
-        save_draft_vocab(out, frequent_tokens(answers, head.config.vocab_size, EAGLE1_DRAFT_VOCAB))
+    if vocab.ids is not None:  # eagle1 over a big vocabulary: the tokens it trained (and drafts) on
+        save_draft_vocab(out, vocab.ids.cpu())
     cap_pos, cap_s = cap_train["positions"] + cap_val["positions"], cap_train["seconds"] + cap_val["seconds"]
     summary = {
         "out": str(out), "kind": cfg.kind, "finished": finished, "dropped_benchmark_prompts": dropped,

@@ -7,10 +7,14 @@ to its own rows of steps 1..j (its ancestors in the draft tree). EAGLE-1 is the 
 EAGLE-3's training-time test (eagle.md 7.2) the many-step one.
 
 Loss at row t, step j, where p = t+1+j must be an answer position:
-  EAGLE-1: w_reg * SmoothL1(out, f_p) + w_cls * CE(teacher_p, softmax(lm_head(out)))   w = 1.0, 0.1
-  EAGLE-3: CE(teacher_p restricted to the draft vocabulary, softmax(lm_head(norm(out))))
-  total:   sum_j decay^j * loss_j                                                       decay 0.8
-The teacher is the target's top-K distribution at p, renormalised (calibration.md 1).
+  EAGLE-1: w_reg * SmoothL1(out, f_p) + w_cls * CE(teacher_p, softmax(lm_head_d(out)))   w = 1.0, 0.1
+  EAGLE-3: CE(teacher_p, softmax(lm_head(norm(out))))
+  total:   sum_j decay^j * loss_j                                                         decay 0.8
+The teacher is the target's top-K distribution at p, restricted to the draft vocabulary and
+renormalised (calibration.md 1); a row whose teacher argmax is outside it is not scored. Both
+kinds draft from a vocabulary of frequent answer tokens: EAGLE-3 from its own d2t, EAGLE-1 from
+the target LM head's rows lm_head_d for EAGLE1_DRAFT_VOCAB tokens (draft_vocab.safetensors), so
+it trains on the logits it will draft with, at a sixth of the full LM head's cost.
 
 Shapes: B rows, T padded length, W = T-1 head rows, H head width, F feature width, K teacher
 top-k, M selected rows, V / Vd target / draft vocabulary. Knows nothing about files or the loop.
@@ -97,13 +101,42 @@ def init_from_layer(head: EagleHead, layer) -> None:
         dst.hidden_norm.weight.copy_(gain)
 
 
-def draft_index(head: EagleHead) -> torch.Tensor | None:
+EAGLE1_DRAFT_VOCAB = 8192  # frequent answer tokens an EAGLE-1 head drafts from (98% of answer tokens here)
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """The columns a head scores while training: its draft vocabulary."""
+    index: torch.Tensor | None    # (V,) target id -> column, -1 outside; None = all V, in order
+    ids: torch.Tensor | None      # (Vd,) eagle1: the target id of each column
+    weight: torch.Tensor | None   # (Vd, H) eagle1: the target LM head's rows for them
+
+    def logits(self, head: EagleHead, hidden: torch.Tensor) -> torch.Tensor:
+        return head.draft_logits(hidden) if self.weight is None else F.linear(hidden.to(self.weight.dtype), self.weight)
+
+    def to_target(self, head: EagleHead, cols: torch.Tensor) -> torch.Tensor:
+        return head.to_target_ids(cols) if self.ids is None else self.ids[cols]
+
+
+def draft_vocab(head: EagleHead, answers: list[tuple[int, ...]]) -> DraftVocab:
+    """EAGLE-3: its own d2t. EAGLE-1: the EAGLE1_DRAFT_VOCAB most frequent answer tokens (ascending
+    ids), the set saved beside the head and drafted from at inference."""
     c = head.config
+    if c.kind == "eagle1":
+        if c.vocab_size <= EAGLE1_DRAFT_VOCAB:
+            return DraftVocab(None, None, None)
+        ids = frequent_tokens(answers, c.vocab_size, EAGLE1_DRAFT_VOCAB).to(head.fc.weight.device)
+        return DraftVocab(column_index(ids, c.vocab_size), ids, head.target.lm_head.weight[ids].detach())
     if c.draft_vocab_size == c.vocab_size:
-        return None
-    index = torch.full((c.vocab_size,), -1, dtype=torch.long, device=head.d2t.device)
-    return index.index_copy_(0, head.to_target_ids(torch.arange(c.draft_vocab_size, device=index.device)),
-                             torch.arange(c.draft_vocab_size, device=index.device))
+        return DraftVocab(None, None, None)
+    return DraftVocab(column_index(head.to_target_ids(torch.arange(c.draft_vocab_size, device=head.d2t.device)),
+                                   c.vocab_size), None, None)
+
+
+def column_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(Vd,) target ids -> (V,) their column, -1 for the rest."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+    return index.index_copy_(0, ids, torch.arange(len(ids), device=ids.device))
 
 
 # ---------------------------------------------------------------- unroll and loss
@@ -142,27 +175,27 @@ def unroll(head: EagleHead, batch: Batch, steps: int, noise_amp: float, rng: tor
 
 
 def token_loss(head: EagleHead, hidden: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor,
-               index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               vocab: DraftVocab) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (M, H), teacher top-K ids/logits (M, K) -> per-row CE (M,), kept rows (M,), top-1 hit (M,).
     CE = logsumexp(z) - sum_k p_k z[id_k]; p is the teacher renormalised over the ids in the draft
-    vocabulary, and a row whose teacher argmax is outside it is not kept (EAGLE-3)."""
-    z = head.draft_logits(hidden).float()                                # (M, Vd)
-    cols = ids if index is None else index[ids]                          # (M, K) draft columns, -1 outside
+    vocabulary, and a row whose teacher argmax is outside it is not kept."""
+    z = vocab.logits(head, hidden).float()                               # (M, Vd)
+    cols = ids if vocab.index is None else vocab.index[ids]              # (M, K) draft columns, -1 outside
     inside = cols >= 0
     p = torch.where(inside[:, :1], logits.masked_fill(~inside, -math.inf).softmax(-1), 0.0)
     ce = z.logsumexp(-1) - (p * z.gather(-1, cols.clamp(min=0))).sum(-1)
-    hit = head.to_target_ids(z.argmax(-1)) == ids[:, 0]
+    hit = vocab.to_target(head, z.argmax(-1)) == ids[:, 0]
     return ce, inside[:, 0], hit
 
 
 def losses(head: EagleHead, outs: list[torch.Tensor], batch: Batch, weights: LossWeights,
-           index: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+           vocab: DraftVocab) -> tuple[torch.Tensor, dict]:
     total, stats = 0.0, {}
     for j, out in enumerate(outs):
         rows = ahead(batch.has_teacher, 1 + j)                           # (B, W): p = t+1+j is an answer position
         hidden = out[rows]                                               # (M, H)
         ce, kept, hit = token_loss(head, hidden, ahead(batch.teacher_ids, 1 + j)[rows],
-                                   ahead(batch.teacher_logits, 1 + j)[rows], index)
+                                   ahead(batch.teacher_logits, 1 + j)[rows], vocab)
         ce = masked_mean(ce, kept)
         loss = weights.cls * ce
         if weights.reg:
@@ -177,7 +210,7 @@ def losses(head: EagleHead, outs: list[torch.Tensor], batch: Batch, weights: Los
     return total, stats | {"loss": float(total.detach())}
 
 
-def chain_hits(head: EagleHead, outs: list[torch.Tensor], batch: Batch) -> tuple[list[int], list[int], int]:
+def chain_hits(head: EagleHead, outs: list[torch.Tensor], batch: Batch, vocab: DraftVocab) -> tuple[list[int], list[int], int]:
     """Greedy chain drafting from every start t >= P-1, one entry per depth j: (reached, matched),
     where a start reaches depth j when depths < j matched and position t+1+j is an answer position;
     plus the starts whose target token is in the head's top-5 at depth 0."""
@@ -186,7 +219,7 @@ def chain_hits(head: EagleHead, outs: list[torch.Tensor], batch: Batch) -> tuple
     for j, out in enumerate(outs):
         alive &= ahead(batch.has_teacher, 1 + j)
         argmax = ahead(batch.teacher_ids, 1 + j)[alive][:, 0]            # (M,) the target's next token
-        top = head.to_target_ids(head.draft_logits(out[alive]).float().topk(5, dim=-1).indices)  # (M, 5)
+        top = vocab.to_target(head, vocab.logits(head, out[alive]).float().topk(5, dim=-1).indices)  # (M, 5)
         hit = top[:, 0] == argmax
         reached.append(len(hit))
         matched.append(int(hit.sum()))

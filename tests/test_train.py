@@ -3,6 +3,7 @@ lower the loss, the saved head loads back and drafts losslessly with accepted le
 interrupted run resumed from its checkpoint ends exactly where an uninterrupted one does."""
 
 import json
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -13,10 +14,10 @@ from core.eagle import EagleDrafter
 from core.engine import Engine
 from core.train import TrainConfig, train
 from core.train_data import Batch
-from core.train_head import new_head, ttt_mask, unroll
+from core.train_head import DraftVocab, column_index, new_head, token_loss, ttt_mask, unroll
 from core.train_data import DataConfig, TrainDataError
 from models.errors import UnsupportedModelError
-from models.head_checkpoint import load_head
+from models.head_checkpoint import load_draft_vocab, load_head
 from tests.conftest import tiny_llama, tiny_target
 
 CFG = TrainConfig(epochs=8, lr=3e-3, warmup_steps=5, batch_tokens=200, log_every=4, save_every=1000)
@@ -74,6 +75,38 @@ def test_training_lowers_the_loss_and_the_head_drafts_losslessly(model, answers,
     drafted, rounds = run(Engine(tiny_target(model), EagleDrafter(head, 2, TreeConfig(3, 4, 12))), prompt)
     assert drafted == plain
     assert len(drafted) / rounds > 1.3  # mean accepted length on a training prompt
+
+
+def test_eagle1_trains_on_the_draft_vocabulary_it_drafts_from(model, answers, tmp_path, monkeypatch):
+    """An EAGLE-1 head over a big vocabulary is scored on the frequent answer tokens it will draft
+    from (saved beside it), and drafts losslessly from them."""
+    monkeypatch.setattr("core.train_head.EAGLE1_DRAFT_VOCAB", 96)
+    summary = train(tiny_target(model), data(answers, tmp_path), CFG, tmp_path / "head")
+    assert summary["finished"] and summary["val"]["acc0"] > 0.2
+    head = load_head(str(tmp_path / "head"), model.config, model.get_input_embeddings(), model.get_output_embeddings())
+    vocab = load_draft_vocab(str(tmp_path / "head"), 256)
+    train_convs = [json.loads(line) for line in answers.read_text().splitlines()]
+    counted = Counter(t for c in train_convs for t in c["answer_ids"])
+    assert len(vocab) == 96 and counted.most_common(1)[0][0] in vocab.tolist()
+    prompt = train_convs[0]["prompt_ids"]
+    plain, _ = run(Engine(tiny_target(model)), prompt)
+    drafted, rounds = run(Engine(tiny_target(model), EagleDrafter(head, 2, TreeConfig(3, 4, 12), vocab)), prompt)
+    assert drafted == plain and len(drafted) / rounds > 1.3
+
+
+def test_draft_vocabulary_scores_only_its_columns(model):
+    head = new_head(model, "eagle1", None, None, 0, [])
+    ids = torch.tensor([3, 5, 7, 200])
+    vocab = DraftVocab(column_index(ids, 256), ids, model.lm_head.weight[ids])
+    hidden = torch.randn(6, 64)
+    torch.testing.assert_close(vocab.logits(head, hidden), head.draft_logits(hidden)[:, ids])
+    assert vocab.to_target(head, torch.tensor([0, 3])).tolist() == [3, 200]
+    teacher_ids = torch.tensor([[5, 3], [4, 7], [200, 1], [7, 5], [3, 4], [6, 9]])    # rows 1, 5: argmax outside
+    ce, kept, _ = token_loss(head, hidden, teacher_ids, torch.zeros(6, 2), vocab)
+    assert kept.tolist() == [True, False, True, True, True, False]
+    z = vocab.logits(head, hidden)
+    assert torch.allclose(ce[0], z[0].logsumexp(-1) - 0.5 * (z[0, 1] + z[0, 0]))     # p = (1/2, 1/2) over 5 and 3
+    assert torch.allclose(ce[2], z[2].logsumexp(-1) - z[2, 3])                      # 1 is outside: all mass on 200
 
 
 def test_resume_continues_exactly(model, answers, tmp_path):
