@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from core.chat import render_prompt
 from core.cpu_linear import OneDnnLinear, onednn_is_faster, use_onednn_linears
-from core.generate import Answer, BatchGenerator, Capture, GenConfig, choose_batch, use_row_group_attention
+from core.generate import Answer, BatchGenerator, Capture, GenConfig, choose_batch
+from core.row_cache import use_row_group_attention
 from core.train_data import GENERATED, TEACHER_TOPK, Conversation, shard_tensors, signature, write_shard
 from models.heads import feature_layers
 from models.target import Target

@@ -12,8 +12,8 @@ import torch
 
 from core.cpu_linear import OneDnnLinear, use_onednn_linears
 from core.distill import FRESH_START, FeatureShards, hf_generate, shuffled_prompts, write_answers
-from core.generate import (PAD_SHARE, ROW_GROUPS, BatchGenerator, Capture, GenConfig, bands, choose_batch,
-                           prefill_groups, use_row_group_attention)
+from core.generate import PAD_SHARE, BatchGenerator, Capture, GenConfig, choose_batch, prefill_groups
+from core.row_cache import ROW_GROUPS, bands, use_row_group_attention
 from core.train_data import signature
 from tests.conftest import tiny_llama, tiny_target
 
