@@ -118,8 +118,8 @@ class GenerateJob:
     batch: int | None = None        # None: choose_batch
     threads: int | None = None      # None: torch's default
     linear: str = "auto"            # "onednn", "default" (torch's), or "auto": whichever times faster
-    features: Path | None = None    # keep features for training a head of `kind` here (train --features)
-    kind: str = "eagle1"
+    features: Path | None = None    # keep features for training heads of `kinds` here (train --features)
+    kinds: tuple[str, ...] = ("eagle1",)
 
 
 def prepare(target: Target, job: GenerateJob) -> BatchGenerator:
@@ -133,12 +133,14 @@ def prepare(target: Target, job: GenerateJob) -> BatchGenerator:
     if job.linear == "onednn" or (job.linear == "auto" and onednn_is_faster(target.model, batch)):
         use_onednn_linears(target.model, batch)
     use_row_group_attention(target.model)
-    capture = Capture(capture_layers(target, job.kind), TEACHER_TOPK) if job.features else None
+    capture = Capture(capture_layers(target, job.kinds), TEACHER_TOPK) if job.features else None
     return BatchGenerator(target.model, GenConfig(batch, job.max_new_tokens, target.eos_ids, capture=capture), capacity)
 
 
-def capture_layers(target: Target, kind: str) -> tuple[int, ...]:
-    return feature_layers(kind, target.model.config.get_text_config().num_hidden_layers)
+def capture_layers(target: Target, kinds: tuple[str, ...]) -> tuple[int, ...]:
+    """The layers heads of every kind in `kinds` read: one pass serves them all."""
+    n = target.model.config.get_text_config().num_hidden_layers
+    return tuple(sorted({i for kind in kinds for i in feature_layers(kind, n)}))
 
 
 def describe(gen: BatchGenerator) -> dict:
@@ -156,8 +158,8 @@ def distill(target: Target, job: GenerateJob, out: Path) -> dict:
     texts = shuffled_prompts(job.prompts, job.start, job.limit)
     shards = None
     if job.features:
-        layers = capture_layers(target, job.kind)
-        shards = FeatureShards(job.features, layers, signature(target, layers, TEACHER_TOPK))
+        layers = capture_layers(target, job.kinds)
+        shards = FeatureShards(job.features, layers, signature(target, TEACHER_TOPK))
     return {**write_answers(gen, target.tokenizer, texts, out, job.prompt_cap, shards=shards), **describe(gen)}
 
 

@@ -7,7 +7,8 @@ Three stages, each resumable:
      at every position p and the target's top-K next-token logits at the answer positions. Shards
      of fp16 safetensors are named by a digest of what went in, so a rerun reuses what exists.
      Conversations whose features `launch.py generate --features` kept while answering (shards
-     named gen-*, grouped as answers finished) are copied from there instead of captured again.
+     named gen-*, grouped as answers finished, holding any set of layers that includes the head's)
+     are copied from there instead of captured again.
   3. batches: sequences pooled, bucketed by length and right-padded to at most `batch_tokens`.
 
 Positions: a sequence x_0..x_{L-1} is the prompt (P tokens) then the answer (A = L - P tokens).
@@ -166,13 +167,13 @@ def shard_tensors(convs: list[Conversation], rows: list[dict]) -> dict:
 def write_shard(path: Path, tensors: dict, layers: tuple[int, ...], signature: str) -> None:
     tmp = path.with_suffix(".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata={"layers": str(layers), "signature": signature})
+              metadata={"layers": json.dumps(list(layers)), "signature": signature})
     os.replace(tmp, path)  # atomic: a killed capture leaves no half shard under the final name
 
 
-def signature(target: Target, layers: tuple[int, ...], topk: int) -> str:
-    """Which target, feature layers and teacher size a shard's numbers come from."""
-    return json.dumps([target.name, target.quant, str(target.dtype), list(layers), topk])
+def signature(target: Target, topk: int) -> str:
+    """Which target and teacher size a shard's numbers come from (its layers are beside it)."""
+    return json.dumps([target.name, target.quant, str(target.dtype), topk])
 
 
 def shard_digest(convs: list[Conversation], target: Target, layers: tuple[int, ...], topk: int) -> str:
@@ -186,28 +187,33 @@ def conversation_key(prompt_ids, answer_ids) -> bytes:
 
 
 class Generated:
-    """The generator's shards (gen-*) in a folder that match `signature`: conversation -> its rows."""
+    """The generator's shards (gen-*) in a folder with `signature` and every one of `layers`:
+    conversation -> its rows, the feature columns of `layers` picked out of the shard's."""
 
-    def __init__(self, folder: Path, signature: str):
-        self.where: dict[bytes, tuple[Path, int, int, int, int]] = {}  # key -> (shard, a, z, ta, tz)
+    def __init__(self, folder: Path, signature: str, layers: tuple[int, ...]):
+        self.where: dict[bytes, tuple[Path, torch.Tensor, int, int, int, int]] = {}  # key -> (shard, cols, a, z, ta, tz)
         for path in sorted(folder.glob(f"{GENERATED}*.safetensors")):
             with safe_open(str(path), "pt") as f:
-                if f.metadata().get("signature") != signature:
+                meta = f.metadata()
+                have = json.loads(meta.get("layers", "[]"))
+                if meta.get("signature") != signature or not set(layers) <= set(have):
                     continue
+                width = f.get_slice("features").get_shape()[1] // len(have)
+                cols = torch.cat([torch.arange(have.index(i) * width, (have.index(i) + 1) * width) for i in layers])
                 tokens = f.get_tensor("tokens").tolist()
                 lengths, prompt_lens = f.get_tensor("lengths").tolist(), f.get_tensor("prompt_lens").tolist()
             a = ta = 0
             for L, P in zip(lengths, prompt_lens):
-                self.where[conversation_key(tokens[a: a + P], tokens[a + P: a + L])] = (path, a, a + L, ta, ta + L - P)
+                self.where[conversation_key(tokens[a: a + P], tokens[a + P: a + L])] = (path, cols, a, a + L, ta, ta + L - P)
                 a, ta = a + L, ta + L - P
 
     def rows(self, conv: Conversation) -> dict | None:
         hit = self.where.get(conversation_key(conv.prompt_ids, conv.answer_ids))
         if hit is None:
             return None
-        path, a, z, ta, tz = hit
+        path, cols, a, z, ta, tz = hit
         with safe_open(str(path), "pt") as f:
-            return {"features": f.get_slice("features")[a:z], "teacher_logits": f.get_slice("teacher_logits")[ta:tz],
+            return {"features": f.get_slice("features")[a:z][:, cols], "teacher_logits": f.get_slice("teacher_logits")[ta:tz],
                     "teacher_ids": f.get_slice("teacher_ids")[ta:tz]}
 
 
@@ -218,13 +224,13 @@ def capture(target: Target, convs: list[Conversation], layers: tuple[int, ...], 
     chunks = [convs[i: i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
     paths = [folder / f"{shard_digest(c, target, layers, cfg.teacher_topk)}.safetensors" for c in chunks]
     todo = [(c, p) for c, p in zip(chunks, paths) if not p.is_file()]
-    generated = Generated(folder, signature(target, layers, cfg.teacher_topk)) if todo else None
+    generated = Generated(folder, signature(target, cfg.teacher_topk), layers) if todo else None
     positions, reused, t0 = 0, 0, time.perf_counter()
     bar = tqdm(total=sum(len(x.ids) for c, _ in todo for x in c), unit="pos", desc=f"capture {label}",
                disable=not todo, dynamic_ncols=True)
     for chunk, path in todo:
         tensors, found = capture_shard(target, chunk, layers, cfg, generated)
-        write_shard(path, tensors, layers, signature(target, layers, cfg.teacher_topk))
+        write_shard(path, tensors, layers, signature(target, cfg.teacher_topk))
         reused += found
         positions += len(tensors["tokens"]) - found
         bar.update(len(tensors["tokens"]))

@@ -186,9 +186,9 @@ def test_launch_generate_flags():
         (None, None, 256, 256, None, None)
     assert args.prompts.name == "mix_v1.jsonl" and args.linear == "auto"
     assert launch.parse_generate_args(["--compare-hf", "--limit", "96"]).compare_hf == 48
-    assert (args.features, args.kind) == (None, "eagle1")
-    keep = launch.parse_generate_args(["--out", "a.jsonl", "--features", "f", "--kind", "eagle3"])
-    assert (str(keep.features), keep.kind) == ("f", "eagle3")
+    assert (args.features, args.kinds) == (None, ["eagle1"])
+    keep = launch.parse_generate_args(["--out", "a.jsonl", "--features", "f", "--kinds", "eagle1", "eagle3"])
+    assert (str(keep.features), keep.kinds) == ("f", ["eagle1", "eagle3"])
     with pytest.raises(SystemExit):
         launch.parse_generate_args([])
 
@@ -223,24 +223,25 @@ def test_captured_answers_carry_the_teacher_forced_features(layers):
 
 def test_train_takes_generated_features_instead_of_capturing(tmp_path):
     """`generate --features` shards stand in for train's own capture: nothing is captured again and
-    the shards train assembles equal those a capture would write."""
+    the shards train assembles equal those a capture would write, for any subset of the kept layers."""
     from core.train_data import DataConfig, capture, load_conversations, load_features
 
     model, tok = tiny_llama(seed=7), ByteTokenizer()
     target = tiny_target(model)
-    shards = FeatureShards(tmp_path / "gen", (2,), signature(target, (2,), 16))
-    gen = BatchGenerator(model, GenConfig(batch=3, max_new_tokens=8, capture=Capture((2,), 16)), capacity=120)
+    shards = FeatureShards(tmp_path / "gen", (1, 2), signature(target, 16))
+    gen = BatchGenerator(model, GenConfig(batch=3, max_new_tokens=8, capture=Capture((1, 2), 16)), capacity=120)
     texts = [f"question {i}: " + "why" * (i % 5) for i in range(10)]
     write_answers(gen, tok, texts, tmp_path / "answers.jsonl", prompt_cap=100, progress=False, shards=shards)
     assert len(list((tmp_path / "gen").glob("gen-*.safetensors"))) == 1  # 10 answers: one flush at the end
     cfg = DataConfig(answers=(tmp_path / "answers.jsonl",), shard_size=4, teacher_topk=16)
     convs, _ = load_conversations(cfg, 256, 512)
-    reused, stats = capture(target, convs, (2,), cfg, tmp_path / "gen", "t")
-    fresh, _ = capture(target, convs, (2,), cfg, tmp_path / "fresh", "t")
-    assert stats["positions"] == 0 and stats["from_generated"] == sum(len(c.ids) for c in convs)
-    a, b = load_features(reused), load_features(fresh)
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.starts, b.starts) and torch.equal(a.tstarts, b.tstarts)
-    torch.testing.assert_close(a.features.float(), b.features.float(), atol=2e-3, rtol=2e-3)
-    assert torch.equal(a.teacher_ids[:, 0], b.teacher_ids[:, 0])
-    other = capture(target, convs, (1,), cfg, tmp_path / "gen", "t")[1]  # other layers: not these features
+    for layers in [(2,), (1,), (1, 2)]:
+        reused, stats = capture(target, convs, layers, cfg, tmp_path / "gen", f"{layers}")
+        fresh, _ = capture(target, convs, layers, cfg, tmp_path / f"fresh{len(layers)}{layers[0]}", "t")
+        assert stats["positions"] == 0 and stats["from_generated"] == sum(len(c.ids) for c in convs)
+        a, b = load_features(reused), load_features(fresh)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.starts, b.starts) and torch.equal(a.tstarts, b.tstarts)
+        torch.testing.assert_close(a.features.float(), b.features.float(), atol=2e-3, rtol=2e-3)
+        assert torch.equal(a.teacher_ids[:, 0], b.teacher_ids[:, 0])
+    other = capture(target, convs, (0, 2), cfg, tmp_path / "gen", "t")[1]  # layer 0 was not kept: capture
     assert other["from_generated"] == 0 and other["positions"] == stats["from_generated"]
