@@ -5,7 +5,8 @@ In a chat (a list of {"role", "content"} records) an answer is
 The text is all that goes back to the model and into exports. "meta" is saved with it
 (app/store.py) and holds what the page shows around it:
     stats    the answer's final ReplyStats, as a dict
-    finish   how it ended: eos, stop, length or cancelled
+    finish   how it ended: eos, stop, length, cancelled (Stop), or interrupted (the page was
+             closed or reloaded mid-answer, see `interrupted`)
     drafted  [start, end) character ranges of the text that accepted draft tokens wrote
     request  the system prompt, sampling settings and stop strings it was asked with (for A/B)
     ab       its comparison with plain decoding (app/compare.py), once asked for
@@ -21,8 +22,12 @@ from dataclasses import asdict, dataclass, fields
 
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
 
-FINISH_LABELS = {"stop": "stop string", "length": "max tokens reached", "cancelled": "stopped", "error": "failed"}
-STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "eagle": "EAGLE"}
+INTERRUPTED = "interrupted"
+FINISH_LABELS = {"stop": "stop string", "length": "max tokens reached", "cancelled": "stopped", "error": "failed",
+                 INTERRUPTED: "interrupted"}
+# The drafters' names (core's ReplyStats.strategy, the last part of the service's label) as the
+# page shows them: the one place they are worded for people.
+STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "eagle": "EAGLE head"}
 # Highlighting draws the answer as escaped text on one line (newlines as <br>): Markdown would
 # break a <mark> that spans two paragraphs or sits in a code block, and a one-line HTML block is
 # passed through Markdown untouched. Gradio's sanitiser keeps <div>, <mark>, <br> and class.
@@ -72,6 +77,21 @@ class Answer:
         return {"role": "assistant", "content": self.text, "meta": meta}
 
 
+def strategy_label(name: str) -> str:
+    """A drafter's name for people; a name this version does not know is shown as it is."""
+    return STRATEGY_LABELS.get(name, name)
+
+
+def interrupted(chat: list[dict]) -> list[dict]:
+    """`chat` with its last answer marked INTERRUPTED if it had not ended: the page went away
+    while it streamed, and without a finish reason a reopened chat would show it as complete."""
+    last = chat[-1] if chat else {}
+    meta = last.get("meta")
+    if last.get("role") != "assistant" or not meta or meta.get("finish"):
+        return chat
+    return [*chat[:-1], {**last, "meta": {**meta, "finish": INTERRUPTED}}]
+
+
 def stats_of(meta: dict) -> ReplyStats | None:
     """The stored stats; fields this version does not know (or no longer has) are left out."""
     d = meta.get("stats")
@@ -94,7 +114,7 @@ def _headline(stats: ReplyStats) -> list[str]:
             f"**{stats.tok_s:.1f}** tok/s",
             f"accepted length **{stats.accept_len:.2f}**",
             f"speedup **{speedup}** vs plain",
-            STRATEGY_LABELS.get(stats.strategy, stats.strategy)]
+            strategy_label(stats.strategy)]
 
 
 # ---------------------------------------------------------------- drawing a chat
@@ -161,6 +181,8 @@ def stats_row(meta: dict, text: str) -> dict:
              f"prompt {stats.prompt_tokens} tokens."]
     if stats.tuning:
         lines.append(f"Tuner: {html.escape(stats.tuning, quote=False)}")
+    if meta.get("finish") == INTERRUPTED:
+        lines.append("Interrupted: the page was closed, reloaded or cleared while this answer was written.")
     return thought(" · ".join([*_headline(stats), *([finish] if finish else [])]), "\n\n".join(lines))
 
 
@@ -192,7 +214,7 @@ def ab_row(meta: dict, text: str) -> dict:
     """Both runs side by side, what the texts say, and the plain answer folded away."""
     ab, spec = meta["ab"], stats_of(meta)
     plain = stats_of(ab)
-    name = STRATEGY_LABELS.get(spec.strategy, spec.strategy)
+    name = strategy_label(spec.strategy)
     table = ["| | this answer (" + name + ") | plain decoding |", "|---|---:|---:|",
              f"| tokens | {spec.new_tokens} | {plain.new_tokens} |",
              f"| tok/s | {spec.tok_s:.1f} | {plain.tok_s:.1f} |",

@@ -5,7 +5,8 @@ None for a new chat. A new chat is stored when its first message is sent, so "Ne
 no empty chats behind. The store, not the page, holds what a chat says: answers start from the
 stored messages, so a tab showing an older copy of a chat cannot erase what another tab added.
 
-Every `view` is the tuple (chat list, chatbot, stats line, title box), the outputs ui.py wires.
+Every `view` is the tuple (chat list, chatbot, stats line, title box, export box), the outputs
+ui.py wires. A view that shows another chat hides the export box: its file is the old chat's.
 The chatbot shows `answers.view` of the stored records: each answer with its statistics under it,
 its drafted text marked when `highlight` (the page's checkbox) is on.
 """
@@ -41,13 +42,21 @@ class _Recorder:
     def __init__(self, store: ChatStore, chat_id: int, new: bool = False):
         self.store, self.chat_id, self.new = store, chat_id, new  # new: created for this answer
         self.pending: Chat | None = None
+        self.shown: Chat | None = None  # the last chat offered, saved or not
         self.saved_at = -math.inf
         self.failed = False
 
     def offer(self, chat: Chat) -> None:
-        self.pending = chat
+        self.pending = self.shown = chat
         if time.monotonic() - self.saved_at >= SAVE_EVERY_S:
             self.flush()
+
+    def interrupt(self) -> None:
+        """The page went away mid-answer: save what it showed last, its answer marked as cut off
+        (answers.interrupted), even if that state was already saved unmarked."""
+        if self.shown is not None:
+            self.pending = answers.interrupted(self.shown)
+        self.flush()
 
     def flush(self) -> None:
         if self.pending is None or self.failed:
@@ -76,15 +85,20 @@ def _list(store: ChatStore, chat_id: int | None) -> dict:
     return gr.update(choices=[(c.title, c.id) for c in store.chats()], value=chat_id)
 
 
+def _no_export() -> dict:
+    """The export box emptied and hidden."""
+    return gr.update(value=None, visible=False)
+
+
 def _view(store: ChatStore, chat_id: int | None, highlight: bool = False) -> tuple:
     if chat_id is None:
-        return _list(store, None), [], "", ""
+        return _list(store, None), [], "", "", _no_export()
     title, history = store.chat(chat_id).title, stored_chat(store, chat_id)
-    return _list(store, chat_id), answers.view(history, highlight), "", title
+    return _list(store, chat_id), answers.view(history, highlight), "", title, _no_export()
 
 
 def _skip_view() -> tuple:
-    return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    return (gr.skip(),) * 5
 
 
 # ---------------------------------------------------------------- answering into a chat
@@ -106,8 +120,9 @@ def _open(store: ChatStore, chat_id: int | None, page_history: Any, create: bool
 def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, highlight: bool) -> Iterator[tuple]:
     """The (chat, stats) updates of `stream`, each saved as it passes and shown as `answers.view`,
     plus the chat list and title box: sent with the first update (a new chat appears with its
-    title, an old one moves to the top), skipped after."""
-    listed = recorder is None
+    title, an old one moves to the top), skipped after. Closed before the stream ended, it saves
+    the answer marked interrupted."""
+    listed, ended = recorder is None, False
     try:
         for chat, stats in stream:
             if isinstance(chat, list):
@@ -123,9 +138,12 @@ def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, hi
                 except StoreError as exc:
                     _unsaved(exc)
             yield chat, stats, chat_list, title
+        ended = True
     finally:
         stream.close()  # a closed page: stop the engine first, then save what was shown
-        if recorder is not None:
+        if recorder is not None and not ended:  # Gradio closed this generator: page closed, reloaded or cleared
+            recorder.interrupt()
+        elif recorder is not None:
             recorder.flush()
 
 
@@ -190,7 +208,7 @@ def new_chat(store: ChatStore) -> tuple:
         return _view(store, None)
     except StoreError as exc:
         handlers.report(exc, "list the saved chats")
-        return gr.update(value=None), [], "", ""
+        return gr.update(value=None), [], "", "", _no_export()
 
 
 def redraw(store: ChatStore, chat_id: int | None, highlight: bool) -> Any:

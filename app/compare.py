@@ -29,7 +29,7 @@ def _why_not(chat: Chat) -> str | None:
         return "The last message has no answer to compare: send or regenerate one first."
     if meta.get("stats") is None or "request" not in meta:
         return "This answer was saved before Aerie kept answer statistics: regenerate it, then compare."
-    if meta.get("finish") in (None, "cancelled"):
+    if meta.get("finish") in (None, "cancelled", answers.INTERRUPTED):
         return "The last answer was stopped before it ended: regenerate it, then compare."
     return None
 

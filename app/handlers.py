@@ -15,7 +15,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.answers import Answer, Request, format_stats, plain_text
+from app.answers import Answer, Request, format_stats, plain_text, strategy_label
 from core.config import SamplingConfig
 from core.errors import AerieError
 
@@ -163,8 +163,15 @@ def parse_stop_strings(text: Any) -> tuple[str, ...]:
 # ---------------------------------------------------------------- what the page shows
 
 
+def shown_label(label: str) -> str:
+    """The service's label, "model · device · precision · drafter", with the drafter named for
+    people (answers.STRATEGY_LABELS) instead of as core names it."""
+    model, sep, drafter = label.rpartition(" · ")
+    return model + sep + strategy_label(drafter)
+
+
 def header(label: str) -> str:
-    return f"## Aerie\n<span class='aerie-label'>{html.escape(label)}</span>"
+    return f"## Aerie\n<span class='aerie-label'>{html.escape(shown_label(label))}</span>"
 
 
 def toast(level: str, message: str) -> None:

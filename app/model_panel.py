@@ -10,7 +10,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.handlers import Cancels, SettingsError, header, report, session_key, toast
+from app.handlers import Cancels, SettingsError, header, report, session_key, shown_label, toast
 from core.config import QUANTS, ModelChoice
 POLL_S = 0.5
 GIB = 2**30
@@ -36,13 +36,13 @@ def progress_line(source: str, progress: Any) -> str:
 
 
 def switched_line(r: Any) -> str:
-    return (f"Loaded {html.escape(r.label)}. Switching freed {r.freed / GIB:.2f} GiB; the new model holds "
+    return (f"Loaded {html.escape(shown_label(r.label))}. Switching freed {r.freed / GIB:.2f} GiB; the new model holds "
             f"{r.used / GIB:.2f} GiB ({'GPU allocator' if r.device.startswith('cuda') else 'process memory'}, "
             "measured).")
 
 
 def model_status(label: str) -> str:
-    return f"Current: {html.escape(label)}"
+    return f"Current: {html.escape(shown_label(label))}"
 
 
 def begin_load() -> tuple:
@@ -94,6 +94,6 @@ def load_model(service: Any, loads: Cancels, model: Any, head: Any, quant: Any, 
         return
     finally:
         loads.finish(key, cancel)
-    toast("info", f"Loaded {switched.label} in {time.perf_counter() - t0:.1f} s")
+    toast("info", f"Loaded {shown_label(switched.label)} in {time.perf_counter() - t0:.1f} s")
     prompt = service.default_system_prompt if system_prompt == old_default else system_prompt
     yield header(switched.label), switched_line(switched), prompt

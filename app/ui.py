@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import chats, compare, handlers, model_panel, monitor
+from app import chats, compare, handlers, model_panel, monitor, saved_settings
 from app.store import ChatStore
 from core.config import SamplingConfig
 
@@ -91,6 +91,21 @@ def _settings_panel(service: Any, d: UiDefaults) -> list[gr.Component]:
     return [system, temperature, top_p, top_k, seed, max_new, stops]
 
 
+def _wire_saved_settings(demo: gr.Blocks, settings: list[gr.Component]) -> None:
+    """The sampling settings (all but the system prompt) survive a reload: kept in the browser on
+    each change, put back on page load (app/saved_settings.py). `.change`, not `.input`: a slider's
+    number box reports an edit only as a change."""
+    fields = settings[1:]
+    kept = gr.BrowserState({}, storage_key=saved_settings.STORAGE_KEY, secret=saved_settings.STORAGE_KEY)
+    defaults = {name: c.value for name, c in zip(saved_settings.FIELDS, fields)}
+    limits = {name: (getattr(c, "minimum", None), getattr(c, "maximum", None))
+              for name, c in zip(saved_settings.FIELDS, fields)}
+    private = {"queue": False, "api_visibility": "private"}
+    demo.load(bind(saved_settings.restore, limits), inputs=kept, outputs=fields, **private)
+    gr.on([c.change for c in fields], bind(saved_settings.remember, defaults), inputs=fields, outputs=kept,
+          show_progress="hidden", **private)
+
+
 def _model_panel(service: Any, d: UiDefaults) -> SimpleNamespace:
     """Target, head and quantization (app/model_panel.py)."""
     with gr.Accordion("Model", open=False):
@@ -152,7 +167,7 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, p: SimpleNamespace, answers: 
     """The Chats panel's events; `answers` are the respond and regenerate events, which save
     into the chat shown and lock the panel while they run."""
     c, private = p.chats, {"api_visibility": "private"}
-    view = [c.list, p.chatbot, p.stats, c.title]  # the order of a chats view
+    view = [c.list, p.chatbot, p.stats, c.title, c.exported]  # the order of a chats view
     # Unqueued: a click on New chat or a message sent right after the page opens must not be
     # overwritten by this opening view arriving late from the queue.
     demo.load(bind(chats.open_latest, store), inputs=p.highlight, outputs=view, queue=False, **private)
@@ -268,4 +283,5 @@ def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = Non
                                    chats=saved)
         _wire_chats(demo, store, page, _wire(service, store, cancels, page))
         _wire_monitor(demo, service, store, gauges, saved.list)
+        _wire_saved_settings(demo, settings)
     return demo.queue(default_concurrency_limit=1)

@@ -98,7 +98,8 @@ def test_each_answer_shows_its_stats_under_it_and_they_survive_a_reload(store):
     assert answer == {"role": "assistant", "content": TEXT}
     title = row["metadata"]["title"]
     assert row["metadata"]["status"] == "done"  # collapsed: one line under the answer
-    assert title == "**12** tokens · **2.0** tok/s · accepted length **4.00** · speedup **—** vs plain · EAGLE"
+    assert title == ("**12** tokens · **2.0** tok/s · accepted length **4.00** · speedup **—** vs plain · "
+                     "EAGLE head")
     assert "Acceptance **67%**: 6 of 9" in row["content"]
     reopened = chats.open_latest(ChatStore(store.path), True)[1]  # a restart, highlight on
     assert reopened[2] == row and "<mark" in reopened[1]["content"]
@@ -194,6 +195,7 @@ def test_a_stopped_ab_compares_nothing(store, toasts):
 @pytest.mark.parametrize("setup, why", [
     ("none", "send a message first"), ("user_last", "no answer to compare"),
     ("old_answer", "saved before Aerie kept answer statistics"), ("stopped", "stopped before it ended"),
+    ("interrupted", "stopped before it ended"),
 ])
 def test_ab_explains_why_it_cannot_compare(store, toasts, setup, why):
     chat_id = None
@@ -201,7 +203,9 @@ def test_ab_explains_why_it_cannot_compare(store, toasts, setup, why):
         chat_id = store.create_chat().id
         last = {"user_last": [], "old_answer": [{"role": "assistant", "content": "old"}],
                 "stopped": [{"role": "assistant", "content": "cut", "meta": {
-                    "stats": {}, "finish": "cancelled", "drafted": [], "request": {}}}]}[setup]
+                    "stats": {}, "finish": "cancelled", "drafted": [], "request": {}}}],
+                "interrupted": [{"role": "assistant", "content": "cut", "meta": {
+                    "stats": {}, "finish": "interrupted", "drafted": [], "request": {}}}]}[setup]
         store.sync(chat_id, [{"role": "user", "content": "Q"}, *last])
     service = SpanService()
     assert run_ab(store, service, chat_id) == [(chats.gr.skip(), chats.gr.skip())]

@@ -254,6 +254,30 @@ def test_a_reload_reopens_the_latest_chat(page, server):
     expect(shown_chat(page)).to_have_text("Say hello.")
     expect(questions(page)).to_have_text(["Say hello."])
     expect(answers(page)).to_have_text([answer])
+    # The sampling settings the user changed come back too (kept in the browser).
+    expect(page.get_by_label("range slider for Max new tokens")).to_have_value("8")
+
+
+def test_a_reload_mid_answer_leaves_the_answer_marked_interrupted(page, server):
+    _, store = server
+    new_chat(page)
+    mark = len(seen(page))
+    page.locator("#aerie-input textarea").fill("Write a long story about a cat.")
+    page.locator("#aerie-input textarea").press("Enter")
+    page.wait_for_function("(from) => window.aerieSeen.slice(from).some(s => s.last.length > 40)", arg=mark)
+    page.reload()
+    # The server closes the answer once it sees the page gone and saves it marked; the reloaded
+    # page may have opened the chat before that, so wait for the store, then reload again.
+    chat, finish = store.chats()[0], None
+    for _ in range(SEE_MS // 250):
+        finish = (store.messages(chat.id)[-1].meta or {}).get("finish")
+        if finish:
+            break
+        page.wait_for_timeout(250)
+    assert finish == "interrupted"
+    open_page(page, server, reload=True)
+    expect(shown_chat(page)).to_have_text("Write a long story about a cat.")
+    expect(page.locator("#aerie-chat")).to_contain_text(" · interrupted")
 
 
 def test_the_monitor_shows_memory_and_the_tuner(page):
@@ -261,3 +285,5 @@ def test_the_monitor_shows_memory_and_the_tuner(page):
     expect(memory).to_contain_text(re.compile(r"RAM [\d.]+ GiB · CPU \d+% of \d+ cores"))
     expect(memory).to_contain_text("Weights")
     expect(page.locator("#aerie-tuning")).to_contain_text(re.compile(r"Tuner: \S+"))
+    # The header names the drafter in words, not as core's identifiers (eagle, prompt_lookup).
+    expect(page.locator("#aerie-header")).to_contain_text(re.compile(r"· (EAGLE head|prompt lookup|plain decoding)"))

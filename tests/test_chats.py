@@ -160,6 +160,33 @@ def test_killing_the_app_mid_answer_keeps_what_was_shown(tmp_path):
     assert len(answer.content.split()) >= safe
 
 
+@pytest.mark.parametrize("save_every_s", [0.0, 3600.0])  # the cut-off state saved already, or not yet
+def test_an_answer_cut_off_by_a_closed_page_says_so_when_reopened(store, monkeypatch, save_every_s):
+    monkeypatch.setattr(chats, "SAVE_EVERY_S", save_every_s)
+    stream = chats.respond(store, FakeService(), Cancels(), None, "Hi", [], *SETTINGS, request=session())
+    shown = [next(stream) for _ in range(3)]  # the user's turn, "Hello", "Hello there"
+    stream.close()  # the page was closed or reloaded: Gradio closes the generator
+    (chat,) = store.chats()
+    answer = store.messages(chat.id)[-1]
+    assert (answer.content, answer.meta["finish"]) == ("Hello there", "interrupted")
+    assert stored(store, chat.id) == text_rows(shown[-1][0])
+    _, reopened, *_ = chats.open_latest(ChatStore(store.path))
+    row = reopened[-1]  # the stats row under the answer
+    assert row["metadata"]["title"].endswith(" · interrupted") and "the page was closed" in row["content"]
+
+
+def test_answers_that_ended_are_not_marked_interrupted(store):
+    say(store, FakeService(), None, "Hi")
+    cancels = Cancels()
+    stream = chats.respond(store, FakeService(), cancels, store.chats()[0].id, "Again", [], *SETTINGS,
+                           request=session("me"))
+    next(stream), next(stream)
+    cancels.cancel("me")  # Stop
+    list(stream)
+    finishes = [m.meta["finish"] for m in store.messages(store.chats()[0].id) if m.role == "assistant"]
+    assert finishes == ["eos", "cancelled"]
+
+
 def test_regenerate_replaces_the_stored_answer(store):
     chat = store.create_chat()
     store.sync(chat.id, [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "old"}])
@@ -182,11 +209,11 @@ def test_a_failing_store_warns_once_and_the_answer_still_streams(store, toasts, 
 
 
 def test_open_latest_shows_the_most_recently_changed_chat(store):
-    assert chats.open_latest(store)[1:] == ([], "", "")
+    assert chats.open_latest(store)[1:4] == ([], "", "")
     older, newer = store.create_chat(), store.create_chat()
     store.sync(newer.id, [{"role": "user", "content": "newer"}])
     store.sync(older.id, [{"role": "user", "content": "older, but touched last"}])
-    chat_list, history, stats, title = chats.open_latest(store)
+    chat_list, history, stats, title, _ = chats.open_latest(store)
     assert chat_list["value"] == older.id and [c[1] for c in choices(chat_list)] == [older.id, newer.id]
     assert history == [{"role": "user", "content": "older, but touched last"}] and title == "older, but touched last"
 
@@ -194,18 +221,18 @@ def test_open_latest_shows_the_most_recently_changed_chat(store):
 def test_switch_loads_the_picked_chat(store, toasts):
     a, b = store.create_chat("A"), store.create_chat("B")
     store.sync(a.id, [{"role": "user", "content": "in A"}, {"role": "assistant", "content": "reply A"}])
-    chat_list, history, stats, title = chats.switch(store, a.id)
+    chat_list, history, stats, title, _ = chats.switch(store, a.id)
     assert chat_list["value"] == a.id and history[1] == {"role": "assistant", "content": "reply A"}
     assert title == "A" and stats == ""
     store.delete(b.id)  # e.g. from another tab
-    chat_list, history, _, title = chats.switch(store, b.id)
+    chat_list, history, _, title, _ = chats.switch(store, b.id)
     assert chat_list["value"] is None and history == [] and "no longer exists" in toasts[-1][1]
     assert [c[1] for c in choices(chat_list)] == [a.id]
 
 
 def test_new_chat_stores_nothing_until_the_first_message(store):
     old = store.create_chat("kept")
-    chat_list, history, stats, title = chats.new_chat(store)
+    chat_list, history, stats, title, _ = chats.new_chat(store)
     assert chat_list["value"] is None and history == [] and title == ""
     assert [c.id for c in store.chats()] == [old.id]
 
@@ -224,12 +251,12 @@ def test_rename(store, toasts):
 def test_delete_switches_to_the_most_recent_chat_left(store):
     first, second = store.create_chat("first"), store.create_chat("second")
     store.sync(first.id, [{"role": "user", "content": "in first"}])
-    chat_list, history, _, title = chats.delete(store, first.id)
+    chat_list, history, _, title, _ = chats.delete(store, first.id)
     assert chat_list["value"] == second.id and title == "second" and history == []
     assert [c.id for c in store.chats()] == [second.id]
-    chat_list, history, _, title = chats.delete(store, second.id)
+    chat_list, history, _, title, _ = chats.delete(store, second.id)
     assert chat_list["value"] is None and choices(chat_list) == [] and store.chats() == []
-    assert chats.delete(store, None) == (gr.skip(),) * 4  # declined, or a chat not yet saved
+    assert chats.delete(store, None) == (gr.skip(),) * 5  # declined, or a chat not yet saved
 
 
 def test_export_writes_downloadable_files(store, toasts):
@@ -244,6 +271,18 @@ def test_export_writes_downloadable_files(store, toasts):
     assert chats.export(store, "json", None) == gr.skip() and toasts[-1][0] == "info"
 
 
+def test_showing_another_chat_hides_the_export_of_the_last_one(store, toasts):
+    a, b = store.create_chat("A"), store.create_chat("B")
+    store.sync(a.id, [{"role": "user", "content": "in A"}])
+    assert chats.export(store, "json", a.id)["visible"] is True
+    hidden = {"__type__": "update", "value": None, "visible": False}
+    assert chats.switch(store, b.id)[4] == hidden
+    assert chats.new_chat(store)[4] == hidden  # New chat, and the chatbot's trash button
+    assert chats.delete(store, b.id)[4] == hidden
+    assert chats.open_latest(store)[4] == hidden
+    assert chats.delete(store, None)[4] == gr.skip()  # a declined delete leaves the chat, and its export
+
+
 def test_controls_lock_the_list_while_answering():
     assert all(u["interactive"] is False for u in chats.controls("answering"))
     assert all(u["interactive"] is True for u in chats.controls("idle"))
@@ -255,5 +294,7 @@ def test_build_ui_wires_the_chats_panel(store):
     demo = build_ui(FakeService(), store=store)
     names = {fn.name for fn in demo.fns.values()}
     assert {"open_latest", "switch", "new_chat", "rename", "delete", "export", "respond", "regenerate"} <= names
+    switch = next(fn for fn in demo.fns.values() if fn.name == "switch")
+    assert switch.outputs[-1].label == "Exported chat"  # a chat switch reaches the export box
     respond = next(fn for fn in demo.fns.values() if fn.api_name == "respond")
     assert respond.name == "respond" and len(respond.outputs) == 4  # chat, stats, the chat list and title

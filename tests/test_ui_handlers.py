@@ -269,6 +269,21 @@ def test_format_stats_shows_the_measured_speedup():
     assert "speedup **1.50×** vs plain" in handlers.format_stats(stats)  # 50 tok/s x 30 ms/token
 
 
+@pytest.mark.parametrize("drafter, shown", [
+    ("eagle", "EAGLE head"), ("prompt_lookup", "prompt lookup"), ("plain", "plain decoding"),
+    ("medusa", "medusa"),  # a name this version does not know shows as it is
+])
+def test_the_header_names_the_drafter_for_people(drafter, shown):
+    from app import model_panel
+
+    label = f"SmolLM2 · cpu · nf4 · {drafter}"
+    assert handlers.shown_label(label) == f"SmolLM2 · cpu · nf4 · {shown}"
+    assert handlers.header(label).endswith(f"SmolLM2 · cpu · nf4 · {shown}</span>")
+    assert model_panel.model_status(label) == f"Current: SmolLM2 · cpu · nf4 · {shown}"
+    report = SimpleNamespace(label=label, device="cpu", freed=0, used=0)
+    assert model_panel.switched_line(report).startswith(f"Loaded SmolLM2 · cpu · nf4 · {shown}.")
+
+
 def test_take_message_and_controls():
     pending, textbox, send, stop, *_ = handlers.take_message("hello")
     assert pending == "hello" and textbox["value"] == "" and textbox["interactive"] is False
