@@ -156,10 +156,8 @@ def distill(target: Target, job: GenerateJob, out: Path) -> dict:
     """Append the target's greedy answers to `out` (resumable); a summary for the last line."""
     gen = prepare(target, job)
     texts = shuffled_prompts(job.prompts, job.start, job.limit)
-    shards = None
-    if job.features:
-        layers = capture_layers(target, job.kinds)
-        shards = FeatureShards(job.features, layers, signature(target, TEACHER_TOPK))
+    capture = gen.cfg.capture  # set by prepare when job.features is given
+    shards = FeatureShards(job.features, capture.layers, signature(target, capture.topk)) if capture else None
     return {**write_answers(gen, target.tokenizer, texts, out, job.prompt_cap, shards=shards), **describe(gen)}
 
 

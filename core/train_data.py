@@ -148,7 +148,7 @@ def capture_shard(target: Target, convs: list[Conversation], layers: tuple[int, 
     reused = sum(len(convs[i].ids) for i in rows)
     todo = [i for i in range(len(convs)) if i not in rows]
     lengths = torch.tensor([len(convs[i].ids) for i in todo])
-    for batch in length_batches(lengths, cfg.capture_tokens, None, pool=max(len(todo), 1)) if todo else []:
+    for batch in length_batches(lengths, cfg.capture_tokens, None, pool=max(len(todo), 1)):  # none when todo is empty
         found = forward_batch(target, [convs[todo[b]] for b in batch], layers, cfg.teacher_topk)
         rows |= {todo[b]: r for b, r in zip(batch, found)}
     return shard_tensors(convs, [rows[i] for i in range(len(convs))]), reused
