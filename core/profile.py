@@ -63,6 +63,12 @@ class LatencyProfile:
     def head(self, width: float) -> float:
         return interpolate(self.widths, self.head_ms, width) if self.head_ms else 0.0
 
+    def draft(self, depth: int, top_k: int, caught_up: float) -> float:
+        """ms of an EAGLE draft: the catch-up over the `caught_up` tokens the last round committed,
+        `depth` expansion steps at width top_k, the rerank and the drafter's own bookkeeping."""
+        return (self.head(caught_up) + depth * self.head(top_k) + self.rerank_ms + self.draft_fixed_ms
+                + depth * self.draft_level_ms)
+
     def to_json(self) -> dict:
         return asdict(self)
 

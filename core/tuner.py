@@ -34,6 +34,7 @@ RANKS = RANKED                      # sibling ranks whose acceptance is learned 
 RANK_DECAY = 0.3                    # prior: rank r+1 is accepted 0.3x as often as rank r
 PRIOR_STRENGTH = 8.0                # the prior counts as this many observed offers per (depth, rank)
 DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
+MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
 LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt lookup", "plain": "plain decoding"}
 
 
@@ -65,6 +66,9 @@ class Turn:
     tokens: int          # tokens committed by the rounds after the prefill
     engine_s: float      # those rounds' draft + verify + commit time
     plain_ms: float      # plain decoding's time per token then (Meter.plain_ms)
+    drafts: int = 0                 # EAGLE rounds of a dynamic tree, and their drafting time:
+    draft_s: float = 0.0            # measured
+    draft_profiled_s: float = 0.0   # what the profile says the same drafts cost
 
     @property
     def speedup(self) -> float | None:
@@ -85,12 +89,20 @@ class Meter:
     engine_s: float = 0.0
     verify_s: float = 0.0      # measured verify + accept + commit, what the profile times
     profiled_s: float = 0.0    # the profile's time for the same rounds
+    tree: TreeConfig | None = None   # the EAGLE tree drafted this turn (None: no dynamic tree)
+    drafts: int = 0
+    draft_s: float = 0.0
+    draft_profiled_s: float = 0.0
 
     def add(self, step) -> None:
         self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
         self.tokens += len(step.new_ids)
         self.engine_s += step.draft_s + step.verify_s + step.commit_s
         self.verify_s += step.verify_s + step.commit_s
+        if self.tree is not None:  # the catch-up fed what the last round committed: about this round's count
+            self.drafts += 1
+            self.draft_s += step.draft_s
+            self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, len(step.new_ids)) / 1000
 
     @property
     def plain_ms(self) -> float:
@@ -98,7 +110,28 @@ class Meter:
         return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * scale
 
     def turn(self) -> Turn:
-        return Turn(self.strategy, self.tokens, self.engine_s, self.plain_ms)
+        return Turn(self.strategy, self.tokens, self.engine_s, self.plain_ms, self.drafts, self.draft_s,
+                    self.draft_profiled_s)
+
+
+@dataclass
+class DraftClock:
+    """Drafting time measured in chats against the profile's estimate for the same drafts, over all
+    turns. The profile times the head's steps on their own; a chat's drafts may cost more (on an
+    H200, 72 ms per draft of a depth-2, top-10 tree where the profile predicted ~5 ms), so once
+    MIN_DRAFTS drafts back it, best_shape scales draft costs by the ratio."""
+    measured_s: float = 0.0
+    profiled_s: float = 0.0
+    drafts: int = 0
+
+    def add(self, turn: Turn) -> None:
+        self.measured_s += turn.draft_s
+        self.profiled_s += turn.draft_profiled_s
+        self.drafts += turn.drafts
+
+    @property
+    def scale(self) -> float:
+        return self.measured_s / self.profiled_s if self.drafts >= MIN_DRAFTS and self.profiled_s > 0 else 1.0
 
 
 def prior_table(alphas: Sequence[float] | None) -> torch.Tensor:
@@ -147,8 +180,9 @@ class Shape:
 
 
 def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_size: int, pins: Pins,
-               chain: bool) -> Shape:
-    """The shape with the most expected tokens per second, within the pins and `max_size`."""
+               chain: bool, draft_scale: float = 1.0) -> Shape:
+    """The shape with the most expected tokens per second, within the pins and `max_size`; drafts
+    cost `draft_scale` times what the profile says (DraftClock)."""
     depths = [pins.depth] if pins.depth is not None else range(MAX_DEPTH + 1)
     widths = [1] if chain else ([pins.top_k] if pins.top_k else TOP_KS)
     best = None
@@ -158,8 +192,7 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
             sizes = [pins.total_tokens] if pins.total_tokens else range(2, min(len(gained), max_size) + 1)
             for n in sizes:
                 tokens = 1 + gained[min(n - 1, len(gained) - 1)]
-                ms = (profile.round(n, context) + profile.head(tokens) + depth * profile.head(k)
-                      + profile.rerank_ms + profile.draft_fixed_ms + depth * profile.draft_level_ms)
+                ms = profile.round(n, context) + draft_scale * profile.draft(depth, k, tokens)
                 if best is None or tokens / ms > best.tokens / best.round_ms:
                     best = Shape(TreeConfig(depth=depth, top_k=k, total_tokens=n), tokens, ms)
     return best
@@ -181,6 +214,7 @@ class Tuner:
         self.rungs, self.rung = rungs, 0
         self.low_turns, self.demoted = 0, ""   # turns in a row below DEMOTE_BELOW; why the last rung was left
         self.turns: list[Turn] = []
+        self.draft_clock = DraftClock()
 
     def prepare(self, engine, context: float) -> Plan:
         """Plan the next turn and set the engine up for it."""
@@ -191,14 +225,17 @@ class Tuner:
         return plan
 
     def plan(self, context: float) -> Plan:
-        plain_ms, note = self.profile.plain_ms(context), self.demoted
+        plain_ms, scale = self.profile.plain_ms(context), self.draft_clock.scale
+        clock = f"drafts measured {scale:.1f}x the profile's time" if not 2 / 3 < scale < 3 / 2 else ""
+        note = "; ".join(filter(None, [self.demoted, clock]))
         for index in range(self.rung, len(self.rungs)):
             rung = self.rungs[index]
             if rung not in ("tree", "chain"):
                 return Plan(rung, None, None, self._why(rung, plain_ms, context, note))
             if self.pins.static is not None:
                 return Plan(rung, self.pins.static, None, "EAGLE-1's static tree, as asked (--static-tree)")
-            shape = best_shape(self.acceptance.q(), self.profile, context, self.max_size, self.pins, rung == "chain")
+            shape = best_shape(self.acceptance.q(), self.profile, context, self.max_size, self.pins, rung == "chain",
+                               scale)
             predicted = shape.tokens / shape.round_ms * plain_ms
             if predicted >= 1.0 or index == len(self.rungs) - 1 or self.pins.strategy:
                 t = shape.tree
@@ -207,7 +244,7 @@ class Tuner:
                             f"{shape.tokens:.2f} tokens per {shape.round_ms:.0f} ms round, predicted "
                             f"{predicted:.2f}x plain ({plain_ms:.0f} ms/token at {context:.0f} tokens)"
                             + (f"; {note}" if note else ""))
-            note = f"{LABELS[rung]} predicted only {predicted:.2f}x plain"
+            note = "; ".join(filter(None, [f"{LABELS[rung]} predicted only {predicted:.2f}x plain", clock]))
         raise AssertionError("the ladder always ends in a rung that needs no model")
 
     def _why(self, rung: str, plain_ms: float, context: float, note: str) -> str:
@@ -221,11 +258,14 @@ class Tuner:
             self.acceptance.observe(offers)
 
     def meter(self, strategy: str, prompt_len: int) -> Meter:
-        return Meter(self.profile, strategy, prompt_len)
+        eagle = self.drafters.get("eagle")
+        dynamic = strategy == "eagle" and eagle is not None and eagle.tree.choices is None
+        return Meter(self.profile, strategy, prompt_len, tree=eagle.tree if dynamic else None)
 
     def end_turn(self, turn: Turn) -> None:
         """Record a finished turn; step down the ladder after DEMOTE_TURNS slow turns in a row."""
         self.turns.append(turn)
+        self.draft_clock.add(turn)
         measured = turn.speedup
         if measured is None or turn.tokens < MIN_TURN_TOKENS or self.rungs[self.rung] == "plain":
             return

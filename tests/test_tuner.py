@@ -14,7 +14,7 @@ from core.config import TreeConfig
 from core.probe import Probe
 from core.profile import LatencyProfile, interpolate, monotone
 from core.tree import make_tree
-from core.tuner import Acceptance, Meter, Pins, Tuner, Turn, best_shape, node_values, prior_table
+from core.tuner import MIN_DRAFTS, Acceptance, Meter, Pins, Tuner, Turn, best_shape, node_values, prior_table
 from core.verify import Acceptance as Accepted, path_offers
 
 LLAMA2_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096,
@@ -269,6 +269,39 @@ def test_meter_rescales_plain_time_by_the_measured_load():
     slow.add(SimpleNamespace(**{**vars(step), "draft_s": 0.008, "commit_s": 0.002,
                                 "verify_s": 2 * CPU.round(8, 100) / 1000 - 0.002}))
     assert slow.turn().speedup == pytest.approx(calm.turn().speedup)
+
+
+def test_meter_times_drafts_against_the_profile():
+    tree = TreeConfig(depth=2, top_k=4, total_tokens=10)
+    step = SimpleNamespace(tree_size=10, new_ids=(1, 2, 3), draft_s=0.05, verify_s=0.02, commit_s=0.001)
+    eagle, plain = Meter(GPU, "eagle", 100, tree=tree), Meter(GPU, "plain", 100)
+    for _ in range(2):
+        eagle.add(step)
+        plain.add(SimpleNamespace(**{**vars(step), "tree_size": 1, "new_ids": (1,), "draft_s": 0.0}))
+    turn = eagle.turn()
+    assert turn.drafts == 2 and turn.draft_s == pytest.approx(0.1)
+    assert turn.draft_profiled_s == pytest.approx(2 * GPU.draft(2, 4, 3) / 1000)
+    assert plain.turn().drafts == 0 and plain.turn().draft_profiled_s == 0
+
+
+def test_drafts_slower_than_profiled_make_the_tuner_draft_less():
+    """Measured on an H200: drafts took 72 ms where the profile predicted ~5, and the tuner, trusting
+    the profile, kept a 64-token tree at 0.29x plain. Measured drafting time must win."""
+    t = tuner(prof=GPU, alphas=(0.8, 0.75, 0.7))
+    before = t.plan(100)
+    tree = before.tree
+    per_draft = GPU.draft(tree.depth, tree.top_k, 3) / 1000
+
+    def drafted(n):  # a turn whose n drafts each took 20x the profile's time, at 1.28x plain overall
+        t.end_turn(Turn("eagle", 64, 1.0, 20.0, drafts=n, draft_s=20 * n * per_draft, draft_profiled_s=n * per_draft))
+
+    drafted(MIN_DRAFTS - 1)
+    assert t.plan(100) == before  # too few drafts yet to overrule the profile
+    drafted(1)
+    after = t.plan(100)
+    assert after.tree != tree and "drafts measured 20.0x the profile's time" in after.reason
+    assert after.rung != "tree" or GPU.draft(after.tree.depth, after.tree.top_k, 2) < GPU.draft(tree.depth, tree.top_k, 2)
+    assert after.rung != "tree" or after.predicted < before.predicted
 
 
 def test_tree_budget_caps_and_refuses_what_memory_cannot_hold():
