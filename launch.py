@@ -126,7 +126,7 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.py" + (" bench" if bench else ""), description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), int4/int8 = torch CPU kernels (int4 is the CPU default), none = full precision")
+    p.add_argument("--quant", choices=QUANTS, help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), int4/int8 = torch CPU kernels (int4 is the CPU default), none = unquantized (fp32 on a CPU, bf16 on a GPU: fp16 before Ampere)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
