@@ -114,7 +114,8 @@ def _model_panel(service: Any, d: UiDefaults) -> SimpleNamespace:
                           info="A SafeAILab head's Hub id or a folder (one Aerie trained works too); "
                                "empty or 'default' = the model's shipped head, 'none' = prompt lookup")
         quant = gr.Dropdown(list(model_panel.QUANTS), value=d.quant, label="Quantization",
-                            info="nf4 = 4-bit (bitsandbytes, CUDA); int4/int8 = small weights on a CPU; none = unquantized (bf16 on a GPU, fp32 on a CPU)")
+                            info="nf4 = 4-bit (bitsandbytes, CUDA); int4/int8 = small weights on a CPU; "
+                                 "none = unquantized (bf16 on a GPU, fp32 on a CPU)")
         with gr.Row():
             load = gr.Button("Load model", variant="secondary")
             cancel = gr.Button("Cancel", variant="stop", visible=False)
