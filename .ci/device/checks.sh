@@ -1,7 +1,8 @@
 # Device call 2: the GPU checks the issues owe, in one run, each step with its own time limit and
 # its log under $OUT: the gpu-marked tests, NVML, the draft profile, the bench on CUDA with NF4
 # (compiled, then eager), then answers for head training (fp32 teacher) until the deadline.
-# BUDGET=seconds (default 540; give the call timeout_s 570) bounds the whole call; START=first mix_v1 prompt to answer.
+# BUDGET=seconds (default 540; give the call timeout_s 570) bounds the whole call; START=first shuffled mix_v1 prompt to answer
+# (default 30000: the CPU generator works from 21000, earlier GPU answers cover 18000-~20700).
 export PYTHONUNBUFFERED=1
 T0=$(date +%s); END=$((T0 + ${BUDGET:-540}))
 stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
@@ -25,7 +26,7 @@ tar -cf $OUT/profiles.tar -C ~/.cache/aerie profiles 2>/dev/null
 left=$(( END - $(date +%s) - 20 ))
 if [ $left -gt 30 ]; then
   timeout $left python3 $A generate --device cuda --quant none --prompts /tmp/aerie/mix_v1.jsonl \
-      --start ${START:-21000} --out /tmp/aerie/answers.jsonl 2>&1 | tr '\r' '\n' | grep -v '^$' | tail -5 > $OUT/generate.log
+      --start ${START:-30000} --out /tmp/aerie/answers.jsonl 2>&1 | tr '\r' '\n' | grep -v '^$' | tail -5 > $OUT/generate.log
   stamp "generated $(wc -l < /tmp/aerie/answers.jsonl) answers"
   xz -T8 -c /tmp/aerie/answers.jsonl > /tmp/aerie/answers.jsonl.xz && split -b 15000000 /tmp/aerie/answers.jsonl.xz $OUT/answers.xz.
 fi
