@@ -1,6 +1,6 @@
 # Device call 2: the GPU checks the issues owe, in one run, each step with its own time limit and
 # its log under $OUT: the gpu-marked tests, NVML, the draft profile, the bench on CUDA with NF4
-# (compiled, then eager), then answers for head training (fp32 teacher) until the deadline.
+# (compiled, then eager), then answers for head training (--quant none: bf16 on CUDA) until the deadline.
 # BUDGET=seconds (default 540; give the call timeout_s 570) bounds the whole call; START=first shuffled mix_v1 prompt to answer
 # (default 30000: the CPU generator works from 21000, earlier GPU answers cover 18000-~20700).
 export PYTHONUNBUFFERED=1
