@@ -68,7 +68,7 @@ class Turn:
     plain_ms: float      # plain decoding's time per token then (Meter.plain_ms)
     drafts: int = 0                 # EAGLE rounds of a dynamic tree, and their drafting time:
     draft_s: float = 0.0            # measured
-    draft_profiled_s: float = 0.0   # what the profile says the same drafts cost
+    draft_profiled_s: float = 0.0   # what the profile says the same drafts cost, at the turn's load
 
     @property
     def speedup(self) -> float | None:
@@ -110,8 +110,11 @@ class Meter:
         return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * scale
 
     def turn(self) -> Turn:
+        # At this turn's load: a machine busier than when profiled slows drafts and verifies alike,
+        # and that must not read as drafts the profile got wrong.
+        load = self.verify_s / self.profiled_s if self.profiled_s > 0 else 1.0
         return Turn(self.strategy, self.tokens, self.engine_s, self.plain_ms, self.drafts, self.draft_s,
-                    self.draft_profiled_s)
+                    self.draft_profiled_s * load)
 
 
 @dataclass

@@ -279,9 +279,14 @@ def test_meter_times_drafts_against_the_profile():
         eagle.add(step)
         plain.add(SimpleNamespace(**{**vars(step), "tree_size": 1, "new_ids": (1,), "draft_s": 0.0}))
     turn = eagle.turn()
+    load = 2 * 0.021 / (2 * GPU.round(10, 100) / 1000)  # measured verify + commit against the profile's
     assert turn.drafts == 2 and turn.draft_s == pytest.approx(0.1)
-    assert turn.draft_profiled_s == pytest.approx(2 * GPU.draft(2, 4, 3) / 1000)
+    assert turn.draft_profiled_s == pytest.approx(2 * GPU.draft(2, 4, 3) / 1000 * load)
     assert plain.turn().drafts == 0 and plain.turn().draft_profiled_s == 0
+    busy = Meter(GPU, "eagle", 100, tree=tree)  # everything twice as slow: drafts no worse than profiled
+    for _ in range(2):
+        busy.add(SimpleNamespace(**{**vars(step), "draft_s": 0.1, "verify_s": 0.04, "commit_s": 0.002}))
+    assert busy.turn().draft_s / busy.turn().draft_profiled_s == pytest.approx(turn.draft_s / turn.draft_profiled_s)
 
 
 def test_drafts_slower_than_profiled_make_the_tuner_draft_less():
