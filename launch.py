@@ -429,6 +429,11 @@ def keep_compiled_code(cache_dir: Path) -> None:
 
 def main(argv: list[str]) -> None:
     bootstrap(argv)
+    run_command(argv)
+
+
+def run_command(argv: list[str]) -> None:
+    """The command argv names, in this interpreter (main runs it inside .venv)."""
     if argv[:1] == ["test"]:
         sys.exit(run_tests(argv[1:]))
     if argv[:1] == ["bench"]:

@@ -105,16 +105,19 @@ class Meter:
             self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, len(step.new_ids)) / 1000
 
     @property
+    def load(self) -> float:
+        """How much slower than profiled the verifies ran: the machine's load now."""
+        return self.verify_s / self.profiled_s if self.profiled_s > 0 else 1.0
+
+    @property
     def plain_ms(self) -> float:
-        scale = self.verify_s / self.profiled_s if self.profiled_s > 0 else 1.0
-        return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * scale
+        return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * self.load
 
     def turn(self) -> Turn:
-        # At this turn's load: a machine busier than when profiled slows drafts and verifies alike,
+        # Drafts profiled at this turn's load: a busier machine slows drafts and verifies alike,
         # and that must not read as drafts the profile got wrong.
-        load = self.verify_s / self.profiled_s if self.profiled_s > 0 else 1.0
         return Turn(self.strategy, self.tokens, self.engine_s, self.plain_ms, self.drafts, self.draft_s,
-                    self.draft_profiled_s * load)
+                    self.draft_profiled_s * self.load)
 
 
 @dataclass

@@ -50,11 +50,10 @@ def timed_draft(context, fresh):
 
 
 drafter.draft = timed_draft
-rounds = [s for s in engine.generate(prompt, SamplingConfig(max_new_tokens=64))][1:]
+rounds = list(engine.generate(prompt, SamplingConfig(max_new_tokens=64)))[1:]
 print("draft ms per round (synchronized):", " ".join(f"{t:.1f}" for t in times))
 print("engine's own draft_s ms:", " ".join(f"{1000 * s.draft_s:.1f}" for s in rounds))
 print("verify ms:", " ".join(f"{1000 * s.verify_s:.1f}" for s in rounds))
-sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
 print(profiled[-1].key_averages().table(sort_by="cpu_time_total", row_limit=30))
 if device == "cuda":
-    print(profiled[-1].key_averages().table(sort_by=sort, row_limit=15))
+    print(profiled[-1].key_averages().table(sort_by="cuda_time_total", row_limit=15))
