@@ -26,9 +26,7 @@ import venv
 from pathlib import Path
 from typing import NoReturn
 
-from models.quants import QUANTS  # torch-free, so the bootstrap and --help can read it
-
-ROOT = Path(__file__).resolve().parent
+from cli import ROOT, default_cache_dir, default_head, parse_args, parse_generate_args, parse_train_args  # stdlib only
 VENV = ROOT / ".venv"
 STAMP = VENV / "aerie-setup.json"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # addresses that serve this machine only
@@ -118,136 +116,6 @@ def bootstrap(argv: list[str]) -> None:
 
 # ---------------------------------------------------------------- commands (inside .venv)
 
-def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
-    description = ("Aerie's benchmark: every decoding strategy on the same prompts, greedy, in one process; "
-                   "a per-category table, then one JSON line." if bench else
-                   "Aerie: a fast local chat with lossless speculative decoding. Other commands: "
-                   "launch.py test | bench | train | generate (each has --help).")
-    p = argparse.ArgumentParser(prog="launch.py" + (" bench" if bench else ""), description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), int4/int8 = torch CPU kernels (int4 is the CPU default), none = unquantized (fp32 on a CPU, bf16 on a GPU: fp16 before Ampere)")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
-    p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
-    p.add_argument("--depth", type=natural, help="EAGLE tree: expansion steps, longest draft = depth + 1 (default: the tuner's choice)")
-    p.add_argument("--top-k", type=positive, help="EAGLE tree: children per expanded node (default: the tuner's choice)")
-    p.add_argument("--total-tokens", type=positive, help="EAGLE tree: tokens verified per round, root included (default: the tuner's choice)")
-    p.add_argument("--static-tree", action="store_true", help="EAGLE-1's fixed 26-node tree (mc_sim_7b_63) instead of the dynamic one")
-    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
-    p.add_argument("--vram-reserve", type=float, default=0.5, metavar="GB",
-                   help="GPU memory (GiB) to leave to other programs; a model that does not fit beside it is partly offloaded to RAM")
-    p.add_argument("--no-compile", action="store_true",
-                   help="run the target's forward eagerly instead of one compiled graph per tree size (slower; no compile at first start)")
-    if bench:
-        p.add_argument("--prompts", type=Path, default=ROOT / "assets" / "bench" / "mt_bench.jsonl", help="MT-bench style jsonl (first turns are used; default: the 80 MT-bench questions)")
-        p.add_argument("--limit", type=positive, help="number of prompts, picked round-robin across categories")
-        p.add_argument("--max-new-tokens", type=positive, default=128, help="tokens generated per prompt and strategy")
-        p.add_argument("--context", type=natural, default=0, help="pad each prompt with filler to about this many tokens")
-        p.add_argument("--strategies", help="comma-separated subset of plain, hf_generate, hf_prompt_lookup, "
-                       "prompt_lookup, eagle (plain always runs)")
-        p.add_argument("--compare-default-tree", action="store_true",
-                       help="add eagle_default_tree: EAGLE's published default (60 tokens, depth 6, top_k 10) beside the tuned eagle")
-        p.add_argument("--trees", help="add fixed EAGLE shapes, e.g. '0,4,5 2,4,12' (depth,top_k,total_tokens each): a grid in one run")
-    else:
-        p.add_argument("--strategy", default="auto", choices=["auto", "eagle", "prompt_lookup", "plain"],
-                       help="auto = eagle with a head, prompt lookup without")
-        p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
-        p.add_argument("--port", type=port_number, default=7860, help="first port to try; the next free one is used if taken")
-        p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
-        p.add_argument("--api-key", help="key the OpenAI-compatible API at /v1 asks for (Authorization: Bearer KEY); "
-                       "required with a --host beyond this machine; default: $AERIE_API_KEY")
-    return p.parse_args(argv)
-
-
-def parse_train_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch.py train", description="Aerie: train an EAGLE draft head by self-distillation.")
-    p.add_argument("--out", type=Path, required=True, help="folder for the head (model.safetensors + config.json), checkpoint and logs")
-    p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU: at many rows fp32 oneDNN beats the int4 kernel)")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
-    p.add_argument("--answers", type=Path, nargs="+", help="distill jsonl files or folders of them (default for the embedded model: ../shared/distill/smollm2-135m-instruct)")
-    p.add_argument("--features", type=Path, help="folder of captured target features, shareable between runs (default: OUT/features)")
-    p.add_argument("--kind", choices=["eagle1", "eagle3"], default="eagle1", help="head architecture")
-    p.add_argument("--draft-vocab", type=int, help="eagle3: keep the N most frequent answer tokens (default: the whole vocabulary)")
-    p.add_argument("--ttt-steps", type=int, help="training-time test: unrolled draft steps (default: 1 for eagle1, 5 for eagle3)")
-    p.add_argument("--init-from-target", type=int, nargs="?", const=-1, metavar="LAYER", help="start the head's layer from this target layer (default when given without a number: the last)")
-    p.add_argument("--init-from", metavar="HEAD_DIR", help="start from a head trained earlier (same --kind): train it further on more data")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, help="use at most this many training answer tokens (default: all)")
-    p.add_argument("--val-tokens", type=int, default=16_000, help="validation answer tokens, from a fixed ~2%% of the conversations")
-    p.add_argument("--lr", type=float, default=7e-4, help="peak learning rate (linear warm-up, cosine decay)")
-    p.add_argument("--batch-tokens", type=int, default=1536, help="padded tokens per optimizer step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=200, help="steps between checkpoints")
-    p.add_argument("--eval-every", type=int, default=0, help="steps between validations and head snapshots (default: at epoch ends)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: torch's, one per core); 1 is faster while another job holds a core")
-    p.add_argument("--time-limit", type=float, metavar="MIN", help="stop with a checkpoint after this many minutes; --resume goes on")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt exactly where it stopped")
-    return p.parse_args(argv)
-
-
-def natural(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
-    return value
-
-
-def port_number(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (1-65535)")
-    return value
-
-
-def default_head(model: str | None) -> str | None:
-    """The head Aerie ships for the embedded model, when it is the one asked for."""
-    shipped = ROOT / "assets" / "heads" / "smollm2-135m-instruct"
-    return str(shipped) if model is None and (shipped / "config.json").is_file() else None
-
-
-def parse_generate_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch.py generate", description="Aerie: the target's greedy answers to training "
-                                "prompts, continuously batched, appended to a distill jsonl (rerun to resume).")
-    p.add_argument("--out", type=Path, help="distill jsonl to append to; prompts already in it are skipped")
-    p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU: at many rows fp32 oneDNN beats the int4 kernel)")
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
-    p.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "prompts" / "mix_v1.jsonl",
-                   help="jsonl with a 'prompt' field, shuffled with random.Random(1234) as ../shared/distill did")
-    p.add_argument("--start", type=int, help="first shuffled prompt (default 9287: ../shared/distill answered mix_v1's "
-                   "shuffled prompts 0-840 and 6000-9286; 841-5999 are unused too)")
-    p.add_argument("--limit", type=int, help="shuffled prompts to take from --start (default: all the rest; 110 with --compare-hf)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--prompt-cap", type=int, default=256, help="skip prompts longer than this once chat-templated")
-    p.add_argument("--batch", type=int, help="rows decoding together (default: what fits a quarter of free RAM, at most "
-                   "64 on CPU; half of free VRAM, at most 256, on CUDA)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: torch's, one per core); 1 while another job holds a core")
-    p.add_argument("--linear", choices=["auto", "onednn", "default"], default="auto",
-                   help="CPU matmuls: oneDNN, torch's default (MKL), or auto = whichever a quick timing finds faster")
-    p.add_argument("--features", type=Path, metavar="DIR", help="also keep each answer's target features and teacher "
-                   "logits here, for `launch.py train --features DIR` (saves train its own pass over the answers)")
-    p.add_argument("--kinds", choices=["eagle1", "eagle3"], nargs="+", default=["eagle1"],
-                   help="with --features: the head kinds whose features to keep (both: ~4x the disk of eagle1 alone)")
-    p.add_argument("--compare-hf", type=int, nargs="?", const=48, metavar="BATCH",
-                   help="benchmark instead: the same prompts through transformers generate (batch 48 unless given), "
-                   "then through Aerie's generator; print both tokens/s and the ratio, write nothing")
-    args = p.parse_args(argv)
-    if args.out is None and args.compare_hf is None:
-        p.error("--out is required (or --compare-hf for a benchmark)")
-    return args
-
-
 def target_spec(args: argparse.Namespace, batched: bool = False):
     from models.target import LoadSpec
 
@@ -269,11 +137,6 @@ def engine_spec(args: argparse.Namespace, **overrides):
                   allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"), tree=tree,
                   pins=Pins(static=static, **shape), vram_reserve_gb=args.vram_reserve, compile=not args.no_compile)
     return EngineSpec(**{**fields, **overrides})
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")
-    return Path(base) / "aerie"
 
 
 def free_port(host: str, first: int) -> int:
@@ -390,7 +253,7 @@ def run_train(args: argparse.Namespace) -> None:
     exclude = tuple(p.text for p in load_prompts(bench_prompts, None)) if bench_prompts.is_file() else ()
     try:
         cfg = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
-                          batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, init_layer=args.init_from_target,
+                          batch_tokens=args.batch_tokens, noise=args.noise, weight_decay=args.weight_decay, ttt_steps=args.ttt_steps, init_layer=args.init_from_target,
                           init_head=args.init_from,
                           seed=args.seed, save_every=args.save_every, eval_every=args.eval_every, threads=args.threads,
                           time_limit_s=args.time_limit * 60 if args.time_limit else None)

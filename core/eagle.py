@@ -2,8 +2,10 @@
 
 The head reads pairs (target feature at position t, token at t+1) and predicts the feature at
 t+1, hence the distribution of the token at t+2. Its KV cache holds only pairs built from real
-target features of committed tokens; tree nodes are appended while drafting and dropped at the
-end of the round (EAGLE's `stable_kv`).
+target features of committed tokens; tree nodes are written after those while drafting and
+forgotten at the end of the round, where the next round writes over them (EAGLE's `stable_kv`).
+The head's forward runs through core/head_step.py: a preallocated cache and, when compiling, one
+graph per step size.
 
 One round of drafting (eagle.md 4.1), with H the head's hidden size and Vd its vocabulary:
   1. catch up: feed the K pairs the last round committed; the last output scores the root's children;
@@ -16,9 +18,10 @@ It knows nothing about text; it sees token ids, target features and the head.
 
 import torch
 
+from core.budget import PLANNED_CONTEXT
 from core.config import TreeConfig
-from core.kv import SlabCache
-from core.tree import DraftTree, additive_mask, expand_frontier, make_tree, rerank, static_shape
+from core.head_step import HeadStep
+from core.tree import DraftTree, expand_frontier, make_tree, rerank, static_shape
 from models.cpu_quant import quantize_cpu, quantized
 
 RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tuner.py RANKS)
@@ -27,7 +30,8 @@ RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tuner.p
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, head, num_target_layers: int, tree: TreeConfig, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, head, num_target_layers: int, tree: TreeConfig, draft_vocab: torch.Tensor | None = None,
+                 context: int = PLANNED_CONTEXT):
         self.head = head
         # An EAGLE-1 head scores the whole target vocabulary through the target's LM head: on a small
         # model that matrix is a large share of all weights (SmolLM2-135M: 28M of 135M). With a draft
@@ -42,7 +46,7 @@ class EagleDrafter:
                                               dtype=weight.dtype)
             self.vocab_head.weight.data = weight[self.vocab_ids].contiguous()   # (Vd, H)
         self.feature_layers = head.feature_layers(num_target_layers)
-        self.cache = SlabCache()
+        self.step = HeadStep(head, self.log_probs, context)  # compiled, if at all, in warm_up
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
         self.root_ranking: torch.Tensor | None = None  # (R,) target ids, the last root's best drafts
         self.reshape(tree)
@@ -65,38 +69,42 @@ class EagleDrafter:
         # Pair t needs tokens 0..t+1 unchanged, so pairs t < common - 1 survive. The target must
         # re-encode from there on: the head needs its features for the pairs it lost.
         self.head_len = min(self.head_len, max(common - 1, 0))
-        self.cache.truncate(self.head_len)
         return self.head_len
+
+    def warm_up(self, report=None) -> None:
+        """Compile the head's step for every bucket and both feature widths it is fed (the target's,
+        its own outputs'), then start over."""
+        c = self.head.config
+        self.step.warm_up(tuple(dict.fromkeys((len(self.feature_layers) * c.target_width, c.hidden_size))), report)
+        self.rewind(0)
 
     @torch.inference_mode()
     def draft(self, context: list[int], fresh) -> DraftTree:
         self.root_ranking = None
         k = fresh.features.shape[0]
         assert self.head_len == len(context) - 1 - k, (self.head_len, len(context), k)
-        last = self.catch_up(fresh.features, context[-k:])       # (H,)
-        tree = self.grow(context[-1], last) if self.static is None else self.grow_static(context[-1], last)
-        self.cache.truncate(self.head_len)                        # forget the drafted nodes
-        return tree
+        last, last_logp = self.catch_up(fresh.features, context[-k:])   # (H,), (Vd,)
+        if self.static is None:
+            return self.grow(context[-1], last, last_logp)
+        return self.grow_static(context[-1], last, last_logp)  # drafted nodes stay past head_len: forgotten
 
-    def catch_up(self, features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
-        """Feed the committed pairs (features (K, F), tokens (K,)); return the last output (H,)."""
+    def catch_up(self, features: torch.Tensor, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the committed pairs (features (K, F), tokens (K,)); -> the last output (H,) and its
+        draft log-probs (Vd,)."""
         K, device = features.shape[0], features.device
-        positions = torch.arange(self.head_len, self.head_len + K, device=device)[None]  # (1, K)
+        positions = torch.arange(self.head_len, self.head_len + K, device=device)           # (K,)
         causal = torch.ones(K, K, dtype=torch.bool, device=device).tril()
-        mask = additive_mask(causal, self.head_len, self.dtype)                            # (1, 1, K, P+K)
-        tokens = torch.tensor([next_tokens], device=device)
-        out = self.head(features[None], tokens, positions, mask, self.cache)             # (1, K, H)
+        out, logp = self.step.feed(features, torch.tensor(next_tokens, device=device), positions, causal, self.head_len)
         self.head_len += K
-        return out[0, -1]
+        return out[-1], logp[-1]
 
-    def grow(self, root: int, root_out: torch.Tensor) -> DraftTree:
-        """EAGLE-2's expand-then-rerank from the root's head output."""
+    def grow(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
+        """EAGLE-2's expand-then-rerank from the root's head output and its log-probs."""
         top_k, device = self.tree.top_k, root_out.device
-        logp = self.log_probs(root_out[None])                                  # (1, Vd)
         # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
         # each rank, including ranks this round's tree left out (path_offers).
-        self.root_ranking = self.to_target_ids(logp[0].topk(min(RANKED, logp.shape[-1])).indices)  # (R,)
-        step = expand_frontier(torch.zeros(1, device=device), logp, top_k)
+        self.root_ranking = self.to_target_ids(root_logp.topk(min(RANKED, root_logp.shape[-1])).indices)  # (R,)
+        step = expand_frontier(torch.zeros(1, device=device), root_logp[None], top_k)
         pool_scores, pool_parents = [step.scores], [torch.full((top_k,), -1, device=device)]
         pool_tokens = [self.to_target_ids(step.tokens)]
         frontier_pool = step.frontier                                           # (top_k,) pool indices
@@ -104,8 +112,8 @@ class EagleDrafter:
         ancestors = torch.eye(top_k, dtype=torch.bool, device=device)           # (k, fed) tree block
         for level in range(self.tree.depth):
             tokens = torch.cat(pool_tokens)[frontier_pool]                     # (k,) target ids
-            out = self.feed_frontier(tokens, parent_out, ancestors, level)      # (k, H)
-            step = expand_frontier(torch.cat(pool_scores)[frontier_pool], self.log_probs(out), top_k)
+            out, logp = self.feed_frontier(tokens, parent_out, ancestors, level)  # (k, H), (k, Vd)
+            step = expand_frontier(torch.cat(pool_scores)[frontier_pool], logp, top_k)
             base = sum(len(s) for s in pool_scores)
             pool_scores.append(step.scores)
             pool_parents.append(frontier_pool[step.parent_slot])
@@ -117,33 +125,35 @@ class EagleDrafter:
         return rerank(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens), root,
                       self.tree.total_tokens)
 
-    def grow_static(self, root: int, root_out: torch.Tensor) -> DraftTree:
+    def grow_static(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
         """EAGLE-1's fixed tree: node i is the rank[i]-th most likely child of its parent. The head
         is fed one depth at a time, like a frontier that holds the whole level."""
         shape, rank = self.static
         device = root_out.device
         tokens = torch.full((shape.size,), root, dtype=torch.long, device=device)
-        prev_nodes, prev_out, fed = [0], root_out[None], []          # last fed level, its outputs (n, H)
+        prev_nodes, prev_out, prev_logp, fed = [0], root_out[None], root_logp[None], []  # last fed level
         for d in range(1, shape.max_depth + 1):
             level = (shape.depth == d).nonzero().squeeze(1)          # (n,) nodes at depth d
             slot = torch.tensor([prev_nodes.index(p) for p in shape.parents[level].tolist()], device=device)
-            ranked = self.log_probs(prev_out).topk(int(rank[level].max()) + 1, dim=-1).indices  # (n_prev, r)
+            ranked = prev_logp.topk(int(rank[level].max()) + 1, dim=-1).indices  # (n_prev, r)
             tokens[level.to(device)] = self.to_target_ids(ranked[slot, rank[level].to(device)])
             if d == shape.max_depth:
                 break
             fed += level.tolist()
             ancestors = shape.ancestor_mask[level][:, fed].to(device)  # (n, fed)
-            prev_out = self.feed_frontier(tokens[level.to(device)], prev_out[slot], ancestors, d - 1)
+            prev_out, prev_logp = self.feed_frontier(tokens[level.to(device)], prev_out[slot], ancestors, d - 1)
             prev_nodes = level.tolist()
         return make_tree(tokens.cpu(), shape.parents)
 
     def feed_frontier(self, tokens: torch.Tensor, parent_out: torch.Tensor, ancestors: torch.Tensor,
-                      level: int) -> torch.Tensor:
-        """tokens (k,) at depth level+1, parent_out (k, H), ancestors (k, fed) -> outputs (k, H)."""
-        k = ancestors.shape[0]
-        mask = additive_mask(ancestors, self.head_len, self.dtype)                 # (1, 1, k, P+fed)
-        positions = torch.full((1, k), self.head_len + level, device=tokens.device)  # siblings share a position
-        return self.head(parent_out[None], tokens[None], positions, mask, self.cache)[0]
+                      level: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens (k,) at depth level+1, parent_out (k, H), ancestors (k, fed) -> outputs (k, H)
+        and their draft log-probs (k, Vd). Siblings share a position."""
+        positions = torch.full((ancestors.shape[0],), self.head_len + level, device=tokens.device)
+        return self.step.feed(parent_out, tokens, positions, ancestors, self.head_len)
+
+    def cache_bytes(self) -> int:
+        return self.step.nbytes()
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """out (k, H) -> (k, Vd) draft log-probabilities, normalised over the draft vocabulary."""
@@ -155,10 +165,6 @@ class EagleDrafter:
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(draft_ids) if self.vocab_ids is None else self.vocab_ids[draft_ids]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.head.fc.weight.dtype
 
 
 def static_tree_shape(choices) -> tuple[DraftTree, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Building an engine from what the user asked for: target, quantization, device, drafter.
 launch.py calls this at start, for the bench, and whenever the UI switches models."""
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -75,9 +76,19 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     runner = TargetRunner(target, RunnerConfig(compile=spec.compile and not onednn),
                           drafters["eagle"].feature_layers if "eagle" in drafters else None)
     compile_s = runner.warm_up(lambda line: report(f"Aerie: {line}"))
+    # The head's step is compiled on a GPU, where eager drafting pays the host's dispatch per kernel.
+    # On this 2-core CPU a compiled step bought nothing (beside a training job, one thread: d1k2n4
+    # 4.0 ms a draft either way, d2k4n10 5.8 vs 6.0) for a 34 s first compile, so a CPU drafts eagerly.
+    if "eagle" in drafters and runner.compiled and target.device.type == "cuda":
+        report("Aerie: compiling the draft head's step")
+        t0 = time.perf_counter()
+        drafters["eagle"].warm_up(lambda line: report(f"Aerie: {line}"))
+        compile_s += time.perf_counter() - t0
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
     offloaded = placement is not None and placement.offload
     kernels = ("onednn" if onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
+    if "eagle" in drafters and drafters["eagle"].step.compiled:
+        kernels += f", head compiled {list(drafters['eagle'].step.buckets)}"
     key = profile_key(engine, spec.head, kernels, offloaded)
     sizes = LARGE_SIZES if offloaded else SIZES
     profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes))

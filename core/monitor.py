@@ -70,7 +70,7 @@ def engine_memory(engine) -> EngineMemory:
                if storage(t)[0] not in target_ptrs]
         vocab = getattr(engine.drafter, "vocab_head", None)
         extra = [] if vocab is None else list(vocab.parameters()) + list(vocab.buffers())
-        draft = tensor_bytes(own + extra) + engine.drafter.cache.nbytes()
+        draft = tensor_bytes(own + extra) + engine.drafter.cache_bytes()
     device = engine.target.device
     name = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
     return EngineMemory(name, tensor_bytes(weights), engine.runner.cache_bytes(), draft)

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from core.budget import PLANNED_CONTEXT
+from core.graphs import compile_failure, compile_graph
+from core.kv import attended_rows, cache_bytes, keep_rows, set_length, static_cache
 from core.tree import additive_mask
 from models.quants import CPU_QUANTS
 from models.target import Target
@@ -34,7 +35,6 @@ from models.target import Target
 ATTENTION = "aerie_tree"
 CPU_BUCKETS = (1, 2, 4, 8)                  # past ~8 a tree stops paying on a 2-core CPU; 2 costs as little as 1
 CUDA_BUCKETS = (1, 4, 8, 16, 32, 48, 64)
-CPU_KV_BLOCK = 64                           # attention reads L+N rounded up to this many rows
 PREFILL_CHUNK = 512
 
 
@@ -55,14 +55,6 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     mask = attention_mask.repeat(1, 1, r, 1) if r > 1 else attention_mask     # (B, 1, r*N, Lk)
     out = F.scaled_dot_product_attention(folded, key[:, :, :lk], value[:, :, :lk], attn_mask=mask, scale=scaling)
     return out.to(query.dtype).reshape(batch, q_heads, n, dim).transpose(1, 2).contiguous(), None  # (B, N, Hq, D)
-
-
-class KVLayer(StaticLayer):
-    """A StaticLayer whose buffers may be wider than the model's activations: new K/V rows are cast
-    to the buffer's dtype as they are written."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args, **kwargs)
 
 
 def register_attention() -> None:
@@ -104,14 +96,12 @@ class TargetRunner:
         kv_dtype = torch.float64 if self.exact else self.dtype
         self.tie_margin = 0.5 if self.dtype != torch.float32 else 1e-3
         self.capacity = self.context_len + self.buckets[-1]
-        self.kv_block = self.capacity if cuda else CPU_KV_BLOCK
         register_attention()
         target.model.set_attn_implementation(ATTENTION)
         text = target.model.config.get_text_config()
         self.num_layers = text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.cache = Cache(layers=[KVLayer(self.capacity) for _ in range(self.num_layers)])
-        self.cache.early_initialization(1, text.num_key_value_heads, head_dim, kv_dtype, self.device)
+        self.cache = static_cache(self.num_layers, self.capacity, text.num_key_value_heads, head_dim, kv_dtype, self.device)
         self.length = 0                  # L, the cache's length counter mirrored on the host
         self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
         self.verified_at = 0             # L before the last verify: where commit moves the kept rows
@@ -171,20 +161,15 @@ class TargetRunner:
     def commit(self, rows: torch.Tensor, tokens: list[int]) -> None:
         """Keep rows `rows` of the last verify (root first; their token ids `tokens`) at [L, L+a)."""
         start = self.verified_at
-        if rows.tolist() != list(range(len(rows))):  # kept rows already in place (plain, a chain): no copy
-            source = rows.to(self.device) + start
-            for layer in self.cache.layers:
-                layer.keys[:, :, start: start + len(rows)] = layer.keys.index_select(2, source)  # index_select copies
-                layer.values[:, :, start: start + len(rows)] = layer.values.index_select(2, source)
+        keep_rows(self.cache, start, rows)
         self.ids = self.ids[:start] + list(tokens)
-        self.truncate(start + len(rows))
+        self.length = start + len(rows)
 
     def truncate(self, length: int) -> None:
         """Forget every cached row at positions >= length."""
         self.length = min(self.length, length)
         self.ids = self.ids[: self.length]
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(self.length)
+        set_length(self.cache, self.length)
 
     def reset(self) -> None:
         self.truncate(0)
@@ -210,28 +195,8 @@ class TargetRunner:
         if not self.compiled:
             return self.forward
         if size not in self._graphs:
-            self._graphs[size] = self._compile()
+            self._graphs[size] = compile_graph(self.forward, self.device)
         return self._graphs[size]
-
-    def _compile(self):
-        # Every bucket of every runner (a model switch builds a new one) is an entry on the one code
-        # object of `forward`; past the limit dynamo would fall back to eager without a word.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        if self.device.type == "cuda":  # CUDA graphs; the cloned outputs survive the next replay
-            compiled = torch.compile(self.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
-
-            def replay(*args):
-                torch.compiler.cudagraph_mark_step_begin()
-                hidden, features = compiled(*args)
-                return hidden.clone(), None if features is None else features.clone()
-            return replay
-        # Freezing folds the (constant) weights into the graph; Lk, the mask's width, stays symbolic.
-        compiled = torch.compile(self.forward, fullgraph=True, dynamic=False)
-
-        def run(token_ids, positions, mask):
-            torch._dynamo.mark_dynamic(mask, 3)
-            return compiled(token_ids, positions, mask)
-        return run
 
     def warm_up(self, report=None) -> float:
         """Compile every bucket now (a chat's first rounds would otherwise pay it); -> seconds.
@@ -250,8 +215,7 @@ class TargetRunner:
         except torch._dynamo.exc.BackendCompilerFailed as e:
             self.compiled, self._graphs = False, {}
             if report is not None:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                report(f"Compiling failed ({first}); running the eager forward instead (slower; --no-compile skips trying)")
+                report(compile_failure(e))
         self.reset()
         self.compile_s = time.perf_counter() - t0
         return self.compile_s
@@ -259,8 +223,8 @@ class TargetRunner:
     def mask(self, visible: torch.Tensor, length: int) -> torch.Tensor:
         """visible (T, m) bool: which of the m rows written from L on each of T new rows sees ->
         additive (1, 1, T, Lk): every row also sees the L committed rows; columns past L+m are blocked."""
-        lk = min(self.capacity, -(-(length + visible.shape[1]) // self.kv_block) * self.kv_block)
+        lk = attended_rows(length + visible.shape[1], self.capacity, self.device)
         return additive_mask(visible, length, self.cache.layers[0].keys.dtype, width=lk)
 
     def cache_bytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.cache.layers)
+        return cache_bytes(self.cache)

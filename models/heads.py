@@ -157,12 +157,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, Dh)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(k, v, 0)  # (B, nkv, P+T, Dh): the head's one layer is layer 0
+            k, v = cache.update(k, v, 0)  # (B, nkv, C, Dh): the head's one layer is layer 0
+        assert mask.is_floating_point() and mask.shape[-2] == T and mask.shape[-1] <= k.shape[2], \
+            f"need an additive float mask (.., {T}, <= {k.shape[2]}), got {mask.dtype} {tuple(mask.shape)}"
+        lk = mask.shape[-1]  # a preallocated cache returns all C rows; attention reads the first Lk
+        k, v = k[:, :, :lk], v[:, :, :lk]
         repeat = q.shape[1] // k.shape[1]
         if repeat > 1:  # grouped-query attention: each key-value head serves `repeat` query heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        assert mask.is_floating_point() and mask.shape[-2:] == (T, k.shape[2]), \
-            f"need an additive float mask (.., {T}, {k.shape[2]}), got {mask.dtype} {tuple(mask.shape)}"
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))  # (B, nh, T, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -232,7 +234,8 @@ class EagleHead(nn.Module):
                 attention_mask: torch.Tensor, cache: Cache | None) -> torch.Tensor:
         """features (1, T, F) at positions t; token_ids (1, T): the token at t+1 for each feature t
         (the shift by one is the caller's job); position_ids (1, T); attention_mask (1, 1, T, P+T)
-        additive (0 attends, finfo.min blocks); cache: any transformers Cache (layer 0), or None.
+        additive (0 attends, finfo.min blocks), or (1, 1, T, Lk) with Lk <= C over a preallocated cache of C
+        rows, of which attention reads the first Lk; cache: any transformers Cache (layer 0), or None.
         Returns the head's hidden state (1, T, H) for the token after token_ids."""
         raise NotImplementedError
 

@@ -1,6 +1,6 @@
 """CUDA checks, skipped cleanly without a GPU: an NF4 target with bf16/fp16 compute loads, EAGLE
-and prompt lookup stay lossless on it, and the runner's CUDA graphs (one per bucket) equal its
-eager forward and hand out outputs that survive the next replay. Run them with
+and prompt lookup stay lossless on it, and the CUDA graphs (one per bucket) of the runner and of
+the head's step equal their eager forwards and hand out outputs that survive the next replay. Run them with
 `python3 launch.py test -m gpu`."""
 
 import pytest
@@ -75,3 +75,30 @@ def test_cuda_graph_outputs_survive_the_next_replay(graphed):
     graphed.commit(torch.tensor([0]), [5])
     graphed.verify(torch.tensor([6]), *one)                   # the next replay of the same graph
     assert torch.equal(first.logits, kept_logits) and torch.equal(first.features, kept_features)
+
+
+def test_head_step_cuda_graphs_equal_eager_and_stay_lossless(nf4_target, graphed):
+    """The head's step (core/head_step.py) as CUDA graphs: each padded bucket equals the eager,
+    unpadded step, its outputs survive the next replay, and a graphed drafter's output equals plain decoding."""
+    layers = nf4_target.model.config.num_hidden_layers
+    head = random_head(nf4_target.model, "eagle1", 1).to(device="cuda", dtype=nf4_target.dtype)
+    eager, fast = (EagleDrafter(head, layers, TreeConfig(2, 3, 8)) for _ in range(2))
+    fast.warm_up()
+    assert fast.step.compiled and (8, head.config.hidden_size) in fast.step._graphs
+    H, past = head.config.hidden_size, 30
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for drafter in (eager, fast):
+        drafter.step.feed(torch.ones(past, H, device="cuda"), torch.arange(past, device="cuda"),
+                          torch.arange(past, device="cuda"), torch.ones(past, past, dtype=torch.bool, device="cuda").tril(), 0)
+    for T in (1, 3, 8):
+        features = torch.randn(T, H, device="cuda", generator=gen)
+        visible = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
+        tokens, positions = torch.arange(T, device="cuda") + 7, torch.full((T,), past, device="cuda")
+        (out_e, logp_e), (out_g, logp_g) = (d.step.feed(features, tokens, positions, visible, past) for d in (eager, fast))
+        assert (out_e - out_g).abs().max() <= 2e-2 * out_e.abs().max()          # bf16 / fp16 compute
+        kept = logp_g.clone()
+        fast.step.feed(features, tokens, positions, visible, past)            # the next replay of that graph
+        assert torch.equal(logp_g, kept)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3]
+    plain = run(Engine(nf4_target), prompt, SamplingConfig(max_new_tokens=32))
+    assert run(Engine(nf4_target, fast, graphed), prompt, SamplingConfig(max_new_tokens=32)) == plain

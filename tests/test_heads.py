@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import Cache
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
-from core.kv import SlabCache
+from core.kv import static_cache
 from models.errors import HeadMismatchError, ModelLoadError, UnsupportedModelError
 from models.head_checkpoint import expected_shapes, head_config_for_target, load_head, save_head
 from models.heads import RopeScaling, build_head, rope_inv_freq
@@ -161,7 +162,13 @@ def test_save_then_load_round_trips_in_fp16(tmp_path, target, kind):
         torch.testing.assert_close(loaded.draft_logits(got), head.draft_logits(want), atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("cache_type", [DynamicCache, SlabCache])
+def preallocated() -> Cache:
+    """The drafter's cache (core/head_step.py): 16 rows allocated up front, of which a mask of
+    width P+T makes attention read the first P+T."""
+    return static_cache(1, 16, NKV, H // NH, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cache_type", [DynamicCache, preallocated])
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_incremental_equals_batched(target, kind, cache_type):
     torch.manual_seed(4)

@@ -82,9 +82,9 @@ def test_engine_memory_counts_roles_once(loaded):
     assert mem.kv == engine.runner.cache_bytes() > 0
     head = engine.drafter.head
     own = [t for t in [*head.parameters(), *head.buffers()] if all(t is not w for w in params)]
-    assert engine.drafter.cache.nbytes() > 0
+    assert engine.drafter.cache_bytes() > 0
     # The head reads the target's embedding and LM head: they count once, as weights.
-    assert mem.draft == tensor_bytes(own) + engine.drafter.cache.nbytes()
+    assert mem.draft == tensor_bytes(own) + engine.drafter.cache_bytes()
     assert storage(head.target.embed.weight)[0] in {storage(t)[0] for t in params}
 
 

@@ -14,7 +14,8 @@ from transformers import AttentionInterface
 from core.drafters import PromptLookupDrafter
 from core.engine import Engine
 from core.config import SamplingConfig
-from core.runner import ATTENTION, CPU_KV_BLOCK, RunnerConfig, TargetRunner, tree_attention
+from core.kv import CPU_KV_BLOCK
+from core.runner import ATTENTION, RunnerConfig, TargetRunner, tree_attention
 from core.tree import make_tree
 from tests.conftest import tiny_llama, tiny_target
 
@@ -195,8 +196,8 @@ def test_a_tree_beyond_the_largest_bucket_goes_in_chunks(model):
 def test_a_failed_compile_falls_back_to_eager_and_says_so(model, monkeypatch):
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler found"), None)
+    monkeypatch.setattr("core.runner.compile_graph", lambda fn, device: broken)
     runner = TargetRunner(tiny_target(model), RunnerConfig(compile=True, buckets=(1, 4)))
-    monkeypatch.setattr(runner, "_compile", lambda: broken)
     lines = []
     runner.warm_up(lines.append)
     assert not runner.compiled and any("Compiling failed" in line and "eager" in line for line in lines)

@@ -185,8 +185,8 @@ def test_unroll_step_j_is_the_drafters_depth_j(model, kind):
         zeros = torch.zeros(1, 20, 1)
         outs = unroll(head, Batch(ids, features, zeros.long(), zeros, zeros.bool()), 3, 0.0, None)
         t, drafter = 9, EagleDrafter(head, 2, TreeConfig(2, 1, 4))
-        out = drafter.catch_up(features[0, : t + 1], ids[0, 1: t + 2].tolist())[None]   # pairs (f_s, x_{s+1}), s <= t
+        out = drafter.catch_up(features[0, : t + 1], ids[0, 1: t + 2].tolist())[0][None]   # pairs (f_s, x_{s+1}), s <= t
         torch.testing.assert_close(out[0], outs[0][0, t])
         for j in (1, 2):
-            out = drafter.feed_frontier(ids[0, t + 1 + j: t + 2 + j], out, torch.ones(1, j, dtype=torch.bool), j - 1)
+            out, _ = drafter.feed_frontier(ids[0, t + 1 + j: t + 2 + j], out, torch.ones(1, j, dtype=torch.bool), j - 1)
             torch.testing.assert_close(out[0], outs[j][0, t])

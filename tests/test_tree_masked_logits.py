@@ -1,11 +1,12 @@
 """DESIGN invariant 2: tree-masked target logits equal sequential-decoding logits along every path.
 
 A tiny random Llama runs through transformers' public interface only: a prefill into a
-`SlabCache`, then ONE forward over a tree's tokens with the 4D mask `additive_mask` builds from
-its ancestor mask and position ids past_len + depth. The reference decodes each root-to-leaf path token
-by token from a fresh prefill in a plain `DynamicCache`. Then the commit invariant: after
-`cache.keep(past_len, acceptance.nodes)` the cache continues exactly like a fresh prefill of the
-prompt plus the accepted tokens. Both attention backends (sdpa, eager) are checked.
+preallocated cache (core/kv.py), then ONE forward over a tree's tokens with the 4D mask
+`additive_mask` builds from its ancestor mask and position ids past_len + depth. The reference
+decodes each root-to-leaf path token by token from a fresh prefill in a plain `DynamicCache`. Then
+the commit invariant: after `keep_rows(cache, past_len, acceptance.nodes)` the cache continues
+exactly like a fresh prefill of the prompt plus the accepted tokens. Both of transformers'
+attention backends (sdpa, eager) are checked; they read the whole buffer, so masks span it.
 """
 
 from collections.abc import Iterator
@@ -15,12 +16,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from core.kv import SlabCache
+from transformers.cache_utils import Cache
+
+from core.kv import keep_rows, static_cache
 from core.tree import DraftTree, additive_mask, chain_tree, make_tree, root_only
 from core.verify import Acceptance, accept_greedy
 
 VOCAB = 256
 ATOL = 1e-4
+CAPACITY = 64  # cache rows: the longest prompt (37) plus the largest tree (16) and one more token
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
@@ -57,23 +61,26 @@ def _shapes(seed: int) -> dict[str, DraftTree]:
 
 
 @torch.no_grad()
-def _prefill(model: LlamaForCausalLM, prompt: list[int]) -> SlabCache:
-    cache = SlabCache()
-    model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+def _feed(model: LlamaForCausalLM, cache: Cache, tokens: torch.Tensor, visible: torch.Tensor, past_len: int,
+          depth: torch.Tensor) -> torch.Tensor:
+    """tokens (T,) at positions past_len + depth, each seeing the prefix and its `visible` (T, T) -> (T, V)."""
+    out = model(input_ids=tokens[None], attention_mask=additive_mask(visible, past_len, torch.float32, width=CAPACITY),
+                position_ids=(past_len + depth)[None], cache=cache, use_cache=True)
+    return out.logits[0]
+
+
+def _prefill(model: LlamaForCausalLM, prompt: list[int]) -> Cache:
+    c = model.config
+    cache = static_cache(c.num_hidden_layers, CAPACITY, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
+                         torch.float32, torch.device("cpu"))
+    n = len(prompt)
+    _feed(model, cache, torch.tensor(prompt), torch.ones(n, n, dtype=torch.bool).tril(), 0, torch.arange(n))
     return cache
 
 
-@torch.no_grad()
-def _verify(model: LlamaForCausalLM, cache: SlabCache, tree: DraftTree, past_len: int) -> torch.Tensor:
+def _verify(model: LlamaForCausalLM, cache: Cache, tree: DraftTree, past_len: int) -> torch.Tensor:
     """One target forward over the whole tree -> (N, V) logits."""
-    out = model(
-        input_ids=tree.tokens[None],
-        attention_mask=additive_mask(tree.ancestor_mask, past_len, torch.float32),
-        position_ids=(past_len + tree.depth)[None],
-        cache=cache,
-        use_cache=True,
-    )
-    return out.logits[0]
+    return _feed(model, cache, tree.tokens, tree.ancestor_mask, past_len, tree.depth)
 
 
 @torch.no_grad()
@@ -110,12 +117,11 @@ def test_keep_commits_a_path_like_a_fresh_prefill(model, prompt_len, shape):
         path = [node for node in row if node >= 0]
         cache = _prefill(model, prompt)
         _verify(model, cache, tree, prompt_len)
-        cache.keep(prompt_len, torch.tensor(path))
+        keep_rows(cache, prompt_len, torch.tensor(path))
         assert cache.get_seq_length() == prompt_len + len(path)
         committed = prompt + tree.tokens[path].tolist()
         nxt = _tokens(1, len(path))[0]
-        with torch.no_grad():
-            got = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True).logits[0, -1]
+        got = _feed(model, cache, torch.tensor([nxt]), torch.ones(1, 1, dtype=torch.bool), len(committed), torch.zeros(1, dtype=torch.long))[-1]
         torch.testing.assert_close(got, _fresh_next_logits(model, committed + [nxt]), atol=ATOL, rtol=0)
 
 
@@ -133,9 +139,9 @@ def test_greedy_round_accepts_the_target_chain_and_commits_it(model, prompt_len)
     cache = _prefill(model, prompt)
     acc: Acceptance = accept_greedy(tree, _verify(model, cache, tree, prompt_len))
     assert acc.nodes.tolist() == [0, 1, 3, 5, 7] and acc.new_tokens[:-1] == greedy
-    cache.keep(prompt_len, acc.nodes)
+    keep_rows(cache, prompt_len, acc.nodes)
     bonus = acc.new_tokens[-1]
     assert bonus == int(_fresh_next_logits(model, prompt + [root, *greedy]).argmax())
-    with torch.no_grad():
-        got = model(input_ids=torch.tensor([[bonus]]), cache=cache, use_cache=True).logits[0, -1]
+    got = _feed(model, cache, torch.tensor([bonus]), torch.ones(1, 1, dtype=torch.bool), prompt_len + len(acc.nodes),
+                torch.zeros(1, dtype=torch.long))[-1]
     torch.testing.assert_close(got, _fresh_next_logits(model, prompt + [root, *greedy, bonus]), atol=ATOL, rtol=0)

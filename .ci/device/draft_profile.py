@@ -1,6 +1,7 @@
 """Where an EAGLE draft's time goes on this machine: the embedded model and its shipped head, the
-compiled runner, one 64-token answer at a fixed tree, each draft timed and the last few profiled
-(torch.profiler, CPU and CUDA). On an H200 drafts took 72 ms at d2k10n64 where the latency
+compiled runner, one 64-token answer at a fixed tree with the head's step eager and (on CUDA)
+again with it as CUDA graphs, each draft timed and the last few profiled (torch.profiler, CPU and
+CUDA). On an H200 drafts took 72 ms at d2k10n64 where the latency
 profile predicted ~5 ms; this says why. Usage: python3 .ci/device/draft_profile.py [cuda|cpu]"""
 
 import sys
@@ -30,30 +31,42 @@ engine = Engine(target, drafter, runner)
 messages = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 prompt = list(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-draft, times, profiled = drafter.draft, [], []
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
-def timed_draft(context, fresh):
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    if len(times) >= 12 and len(profiled) < 4:
-        with profile(activities=activities) as prof:
-            tree = draft(context, fresh)
-            sync()
-        profiled.append(prof)
+def answer(label: str) -> None:
+    """One 64-token answer: each draft timed synchronized, the last few profiled."""
+    draft, times, profiled = type(drafter).draft.__get__(drafter), [], []
+
+    def timed_draft(context, fresh):
+        if len(times) >= 12 and len(profiled) < 4:
+            with profile(activities=activities) as prof:
+                tree = draft(context, fresh)
+                sync()
+            profiled.append(prof)
+            return tree
+        sync()
+        t0 = time.perf_counter()
+        tree = draft(context, fresh)
+        sync()
+        times.append(1000 * (time.perf_counter() - t0))
         return tree
-    sync()
+
+    drafter.draft = timed_draft
+    engine.reset()
+    rounds = list(engine.generate(prompt, SamplingConfig(max_new_tokens=64)))[1:]
+    print(f"== {label}")
+    print("draft ms per round (synchronized):", " ".join(f"{t:.1f}" for t in times))
+    print("engine's own draft_s ms:", " ".join(f"{1000 * s.draft_s:.1f}" for s in rounds))
+    print("verify ms:", " ".join(f"{1000 * s.verify_s:.1f}" for s in rounds))
+    print(profiled[-1].key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    if device == "cuda":
+        print(profiled[-1].key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+answer("eager head step")
+if device == "cuda":  # what core/factory.py does on a GPU: the head's step as CUDA graphs
     t0 = time.perf_counter()
-    tree = draft(context, fresh)
-    sync()
-    times.append(1000 * (time.perf_counter() - t0))
-    return tree
-
-
-drafter.draft = timed_draft
-rounds = list(engine.generate(prompt, SamplingConfig(max_new_tokens=64)))[1:]
-print("draft ms per round (synchronized):", " ".join(f"{t:.1f}" for t in times))
-print("engine's own draft_s ms:", " ".join(f"{1000 * s.draft_s:.1f}" for s in rounds))
-print("verify ms:", " ".join(f"{1000 * s.verify_s:.1f}" for s in rounds))
-print(profiled[-1].key_averages().table(sort_by="cpu_time_total", row_limit=30))
-if device == "cuda":
-    print(profiled[-1].key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    drafter.warm_up(print)
+    print(f"head step compiled in {time.perf_counter() - t0:.1f} s")
+    answer("graphed head step")

@@ -1,0 +1,99 @@
+"""The EAGLE head's step as the drafter runs it: a preallocated KV cache, a few fixed row counts,
+and with `compile` one compiled graph per row count (a CUDA graph on a GPU), as core/runner.py
+does for the target's verify (issue 7, point 3).
+
+Why: a head step is ~30 small kernels, and a draft makes depth + 1 of them plus their scoring. On
+the H200 an eager d2k10n64 draft took 72 ms against a 10.5 ms verify where the latency profile
+had predicted ~5 ms: the host's dispatch per kernel set the cost, not the GPU. A graph replays a
+whole step, scoring included, in one launch.
+
+`feed` writes T (feature, token) pairs at head cache rows [past + n - T, past + n): the last T of
+the n rows fed since the `past` committed pairs; `visible` (T, n) says which of those n each new
+row sees (all rows see the `past` ones). A step runs padded to the next bucket: padding rows see
+only themselves and land after the real ones, where the next feed overwrites them and no mask
+lets a real row see them. A catch-up longer than the largest bucket (a new prompt) runs eagerly,
+unpadded.
+"""
+
+import torch
+
+from core.graphs import compile_failure, compile_graph
+from core.kv import attended_rows, cache_bytes, set_length, static_cache
+from core.tree import additive_mask
+
+CPU_BUCKETS = (1, 2, 4, 8)          # rows per step: a catch-up (accepted + 1) or a frontier (top_k)
+CUDA_BUCKETS = (1, 2, 4, 8, 16)
+DRAFT_ROWS = 1024                   # cache rows beyond the context: one draft's fed nodes and padding
+
+
+class HeadStep:
+    def __init__(self, head, score, context: int):
+        """head: an EagleHead on its device; score: outputs (T, H) -> draft log-probs (T, Vd).
+        Eager until warm_up compiles it."""
+        weight = head.fc.weight
+        self.head, self.score, self.device = head, score, weight.device
+        self.buckets = CUDA_BUCKETS if self.device.type == "cuda" else CPU_BUCKETS
+        self.capacity = context + DRAFT_ROWS
+        self.compiled = False
+        c = head.config
+        self.cache = static_cache(1, self.capacity, c.num_key_value_heads, c.head_dim, weight.dtype, self.device)
+        self._graphs: dict[tuple[int, int], object] = {}  # (rows, feature width) -> compiled step
+
+    def feed(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+             past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """features (T, F), tokens (T,) target ids, positions (T,), visible (T, n) bool ->
+        the head's outputs (T, H) and their draft log-probs (T, Vd)."""
+        T, n = visible.shape
+        start = past + n - T
+        rows = next((b for b in self.buckets if b >= T), T) if self.compiled else T
+        if start + rows > self.capacity:
+            raise ValueError(f"a {T}-row head step at row {start} overflows the head's {self.capacity}-row cache")
+        # One graph per size: not per dtype or stride too (a frontier's parents can be a broadcast view).
+        features = features.to(self.cache.layers[0].keys.dtype).contiguous()
+        pad = rows - T
+        if pad:
+            features = torch.cat([features, features.new_zeros(pad, features.shape[1])])
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+            positions = torch.cat([positions, positions[-1:].expand(pad)])
+            seen = torch.zeros(rows, n + pad, dtype=torch.bool, device=self.device)
+            seen[:T, :n] = visible
+            seen[T:, n:] = torch.eye(pad, dtype=torch.bool, device=self.device)
+            visible = seen
+        width = attended_rows(past + n + pad, self.capacity, self.device)
+        mask = additive_mask(visible, past, self.cache.layers[0].keys.dtype, width=width)  # (1, 1, rows, Lk)
+        set_length(self.cache, start)
+        out, logp = self.graph(rows, features.shape[1])(features[None], tokens[None], positions[None], mask)
+        return out[:T], logp[:T]
+
+    def forward(self, features, tokens, positions, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, T, F), (1, T), (1, T), (1, 1, T, Lk) -> outputs (T, H), log-probs (T, Vd). What a graph holds."""
+        out = self.head(features, tokens, positions, mask, self.cache)[0]
+        return out, self.score(out)
+
+    def graph(self, rows: int, width: int):
+        if not self.compiled or rows not in self.buckets:
+            return self.forward
+        if (rows, width) not in self._graphs:
+            self._graphs[rows, width] = compile_graph(self.forward, self.device)
+        return self._graphs[rows, width]
+
+    @torch.inference_mode()  # as drafting runs: a graph compiled with autograd on would not be reused
+    def warm_up(self, widths: tuple[int, ...], report=None) -> None:
+        """Compile every bucket for features of each width now, not in a chat's first rounds. Writes
+        junk rows from row 0 on: the drafter's head must start over afterwards. Where torch cannot
+        compile, say so and stay eager."""
+        self.compiled, dtype = True, self.cache.layers[0].keys.dtype
+        try:
+            for width in widths:
+                for rows in self.buckets:
+                    causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
+                    self.feed(torch.zeros(rows, width, dtype=dtype, device=self.device),
+                              torch.zeros(rows, dtype=torch.long, device=self.device),
+                              torch.arange(rows, device=self.device), causal, 0)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            self.compiled, self._graphs = False, {}
+            if report is not None:
+                report(compile_failure(e))
+
+    def nbytes(self) -> int:
+        return cache_bytes(self.cache)
