@@ -20,7 +20,8 @@ from core.errors import UnsupportedModelError
 from core.probe import Probe, load_nvml
 from core.profile import LARGE_SIZES, SIZES, cached_profile, measure_profile, profile_key
 from core.tuner import Acceptance, Pins, Tuner, prior_table
-from models.head_checkpoint import head_config_for_target, head_training_record, load_draft_vocab, load_head
+from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
+from models.head_config import head_config_for_target
 from models.heads import build_head
 from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve

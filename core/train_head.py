@@ -29,7 +29,8 @@ from transformers import DynamicCache
 
 from core.train_data import Batch
 from models.errors import HeadMismatchError
-from models.head_checkpoint import head_config_for_target, load_head
+from models.head_checkpoint import load_head
+from models.head_config import head_config_for_target
 from models.heads import EagleHead, build_head
 
 

@@ -8,7 +8,7 @@ The kind comes from the keys: `midlayer.*` is EAGLE-3, `layers.0.*` with `fc.wei
 Any other layout, missing key or wrong shape is an error; no key is guessed.
 
 `save_head` writes model.safetensors + config.json in the format that SafeAILab EAGLE, vLLM and
-SGLang load (eagle.md 10.3), and `load_head` reads it back.
+SGLang load (eagle.md 10.3), and `load_head` reads it back. config.json itself is head_config.py's.
 
 This module knows nothing about drafting. Of the target it knows only its config, embedding and LM head.
 """
@@ -26,14 +26,13 @@ from torch import nn
 
 from models.download import HEAD_PATTERNS, hub_cache
 from models.errors import HeadMismatchError, ModelLoadError, UnsupportedModelError
-from models.heads import EagleHead, HeadConfig, RopeScaling, build_head
+from models.head_config import config_from_json, config_to_json
+from models.heads import EagleHead, HeadConfig, build_head
 
-DEFAULT_ROPE_THETA = 10000.0  # EAGLE's head RoPE base when config.json has no rope_theta (eagle.md 2.1, 3.3)
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-ARCHITECTURES = {"eagle1": "LlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3"}
 # Published keys that carry nothing the head uses. The EAGLE-1 embedding is a frozen copy of the target's.
 IGNORED_KEYS = {"eagle1": {"embed_tokens.weight", "layers.0.self_attn.rotary_emb.inv_freq"}, "eagle3": set()}
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
 
 
 def expected_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
@@ -71,7 +70,7 @@ def load_head(source: str, target_config, target_embed: nn.Embedding, target_lm_
     folder = _resolve(source, allow_pickle, cache_dir)
     raw = _read_config(folder)
     state = _read_weights(folder, allow_pickle)
-    config = _config_from_json(raw, **_layout(state, raw))
+    config = config_from_json(raw, **_layout(state, raw))
     text_config = target_config.get_text_config()
     _check_target(config, text_config)
     state = _check_keys(config, state, folder)
@@ -92,38 +91,6 @@ def save_head(head: EagleHead, out_dir, dtype: torch.dtype = torch.float16) -> N
              for k, t in head.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config_to_json(head.config, dtype), indent=2) + "\n")
-
-
-def head_config_for_target(target_config, kind: str, *, draft_vocab_size: int | None = None) -> HeadConfig:
-    """The config of a new head for this target: its shapes and RoPE, no biases (eagle.md 10.3)."""
-    raw = target_config.get_text_config().to_dict()
-    raw["draft_vocab_size"] = draft_vocab_size
-    return _config_from_json(raw, kind=kind, fc_bias=False, qkv_bias=False, own_embedding=False)
-
-
-def config_to_json(c: HeadConfig, dtype: torch.dtype = torch.float16) -> dict:
-    raw = {
-        "architectures": [ARCHITECTURES[c.kind]], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-        "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
-        "bias": c.fc_bias, "tie_word_embeddings": False, "torch_dtype": DTYPE_NAMES[dtype],
-    }
-    if c.head_dim != c.hidden_size // c.num_attention_heads:
-        raw["head_dim"] = c.head_dim
-    if c.qkv_bias:
-        raw["qkv_bias"] = True
-    if c.rope_scaling is not None:
-        s = c.rope_scaling
-        raw["rope_scaling"] = {"rope_type": s.kind, "factor": s.factor} if s.kind == "linear" else {
-            "rope_type": s.kind, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}
-    if c.kind == "eagle3":
-        raw["draft_vocab_size"] = c.draft_vocab_size
-        if c.target_hidden_size is not None:
-            raw["target_hidden_size"] = c.target_hidden_size
-    return raw
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # Aerie's addition to an EAGLE-1 head; vLLM and SGLang ignore it
@@ -249,51 +216,6 @@ def _layout(state: dict, raw: dict) -> dict:
     return {"kind": kind, "fc_bias": fc_bias, "qkv_bias": f"{layer}self_attn.q_proj.bias" in keys,
             # eagle1's embed_tokens is a copy of the target's (ignored); eagle3's is the head's own, as vLLM loads it
             "own_embedding": kind == "eagle3" and "embed_tokens.weight" in keys}
-
-
-def _config_from_json(raw: dict, *, kind: str, fc_bias: bool, qkv_bias: bool, own_embedding: bool) -> HeadConfig:
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"The head uses the {raw['hidden_act']} activation; Aerie's heads are SiLU (Llama) only.")
-    try:
-        H, heads, vocab = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["vocab_size"])
-        intermediate = int(raw["intermediate_size"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ModelLoadError(f"The head's config.json lacks a valid {err}; it is not an EAGLE head config.") from err
-    target_hidden = raw.get("target_hidden_size") if kind == "eagle3" else None
-    rope_theta, rope_scaling = _rope(raw)
-    try:
-        return HeadConfig(
-            kind=kind, hidden_size=H, num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),  # LlamaConfig default: no GQA
-            head_dim=int(raw.get("head_dim") or H // heads), intermediate_size=intermediate,
-            vocab_size=vocab, draft_vocab_size=int(raw.get("draft_vocab_size") or vocab) if kind == "eagle3" else vocab,
-            rope_theta=rope_theta, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),  # LlamaConfig defaults
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            fc_bias=fc_bias, qkv_bias=qkv_bias, rope_scaling=rope_scaling,
-            target_hidden_size=int(target_hidden) if target_hidden and target_hidden != H else None,
-            own_embedding=own_embedding or bool(target_hidden and target_hidden != H),
-        )
-    except ValueError as err:
-        raise ModelLoadError(f"The head's config.json is inconsistent: {err}.") from err
-
-
-def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
-    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta") or raw.get("rope_theta") or DEFAULT_ROPE_THETA)
-    kind = params.get("rope_type", params.get("type", "default"))
-    try:
-        if kind == "default":
-            return theta, None
-        if kind == "linear":
-            return theta, RopeScaling("linear", float(params["factor"]))
-        if kind == "llama3":
-            return theta, RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
-                                      float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
-    except KeyError as err:
-        raise ModelLoadError(f"The head's {kind} rope scaling lacks {err}; fix its config.json.") from err
-    raise UnsupportedModelError(f"The head uses {kind} RoPE scaling, which Aerie does not implement; "
-                                "use a head with default, linear or llama3 RoPE.")
 
 
 def _check_target(c: HeadConfig, text_config) -> None:

@@ -12,7 +12,8 @@ id i + d2t[i]. Its output is pre-norm, and the caller feeds it back as the next 
 
 Module attribute names are the published checkpoint keys, so `state_dict()` is the checkpoint.
 This module knows nothing about files, trees or the target's forward. The caller captures the
-features, pairs them with tokens and owns the KV cache. Files live in head_checkpoint.py.
+features, pairs them with tokens and owns the KV cache. Files live in head_checkpoint.py and
+head_config.py.
 
 Shapes: T tokens in this call, P positions already cached, H head width, F feature width (H or
 3H), nh / nkv query / key-value heads, Dh head dim, V target vocab, Vd draft vocab.

@@ -8,7 +8,7 @@ from core.config import SamplingConfig, TreeConfig
 from core.eagle import EagleDrafter
 from core.engine import Engine
 from core.tree import MC_SIM_7B_63
-from models.head_checkpoint import head_config_for_target
+from models.head_config import head_config_for_target
 from models.heads import build_head
 from tests.conftest import tiny_llama, tiny_target
 

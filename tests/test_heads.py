@@ -16,7 +16,8 @@ from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecod
 
 from core.kv import static_cache
 from models.errors import HeadMismatchError, ModelLoadError, UnsupportedModelError
-from models.head_checkpoint import expected_shapes, head_config_for_target, load_head, save_head
+from models.head_checkpoint import expected_shapes, load_head, save_head
+from models.head_config import head_config_for_target
 from models.heads import RopeScaling, build_head, rope_inv_freq
 
 H, V, NH, NKV, I, VD = 64, 256, 4, 2, 96, 48   # hidden, vocab, heads, kv heads, MLP, draft vocab
