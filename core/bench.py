@@ -185,8 +185,8 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
     shared = loaded.engine.runner  # one cache and one set of compiled graphs; run_engine resets it per prompt
     engines = {n: Engine(target, make_drafter(target, replace(spec, strategy=n)), shared)
                for n in names if n in ("plain", "prompt_lookup")}
-    engines.update({n: Engine(target, make_drafter(target, replace(spec, strategy="eagle", tree=tree)), shared)
-                    for n, tree in fixed_trees.items()})
+    # Fixed shapes draft with the tuned drafter's head and step: one head in memory, compiled once.
+    engines.update({n: Engine(target, loaded.engine.drafter.sibling(tree), shared) for n, tree in fixed_trees.items()})
     if "eagle" in names:
         engines["eagle"] = loaded.engine
     # transformers' own generate runs on the model as transformers loads it: on CPU a second, fp32 copy (ours has

@@ -16,6 +16,8 @@ One round of drafting (eagle.md 4.1), with H the head's hidden size and Vd its v
 It knows nothing about text; it sees token ids, target features and the head.
 """
 
+import copy
+
 import torch
 
 from core.budget import PLANNED_CONTEXT
@@ -64,6 +66,15 @@ class EagleDrafter:
         """Draft trees of another shape from the next round on (the tuner re-plans between turns)."""
         self.tree = tree
         self.static = None if tree.choices is None else static_tree_shape(tree.choices)
+
+    def sibling(self, tree: TreeConfig) -> "EagleDrafter":
+        """A drafter of another shape on this one's head, draft vocabulary and step (its cache and
+        compiled graphs), for engines that take turns on one runner, as the bench's do: each starts
+        its chat afresh, so the shared cache holds only the running one's pairs."""
+        twin = copy.copy(self)
+        twin.reshape(tree)
+        twin.rewind(0)
+        return twin
 
     def rewind(self, common: int) -> int:
         # Pair t needs tokens 0..t+1 unchanged, so pairs t < common - 1 survive. The target must
