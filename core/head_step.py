@@ -22,7 +22,7 @@ from core.kv import attended_rows, cache_bytes, set_length, static_cache
 from core.tree import additive_mask
 
 CPU_BUCKETS = (1, 2, 4, 8)          # rows per step: a catch-up (accepted + 1) or a frontier (top_k)
-CUDA_BUCKETS = (1, 2, 4, 8, 16)
+CUDA_BUCKETS = (1, 4, 8, 16)         # each a CUDA graph compiled at start: few, as the runner's smallest
 DRAFT_ROWS = 1024                   # cache rows beyond the context: one draft's fed nodes and padding
 
 
