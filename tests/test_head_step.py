@@ -78,3 +78,15 @@ def test_no_head_recompiles_in_steady_state(model):
             engine.reset()
             steps = list(engine.generate(prompt[: 60 + 10 * chat], SamplingConfig(max_new_tokens=60)))
             assert len(steps) > 10 and compiled.head_len > 64
+
+
+def test_a_tree_too_big_for_the_head_cache_is_refused_clearly(model):
+    from models.errors import UnsupportedModelError
+
+    head = random_head(model, "eagle1", 13)
+    with pytest.raises(UnsupportedModelError, match="Lower --depth or --top-k"):
+        EagleDrafter(head, model.config.num_hidden_layers, TreeConfig(100, 16, 32))
+    drafter = EagleDrafter(head, model.config.num_hidden_layers, TreeConfig(6, 10, 60))  # EAGLE-2's default fits
+    with pytest.raises(UnsupportedModelError):
+        drafter.reshape(TreeConfig(70, 16, 60))
+    assert drafter.tree == TreeConfig(6, 10, 60)
