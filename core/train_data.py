@@ -6,9 +6,10 @@ Three stages, each resumable:
   2. capture: one teacher-forced target pass over prompt + answer gives the head's input feature f_p
      at every position p and the target's top-K next-token logits at the answer positions. Shards
      of fp16 safetensors are named by a digest of what went in, so a rerun reuses what exists.
-     Conversations whose features `launch.py generate --features` kept while answering (shards
-     named gen-*, grouped as answers finished, holding any set of layers that includes the head's)
-     are copied from there instead of captured again.
+     A conversation already in any shard of the folder with the head's layers is copied from there
+     instead of captured again: the shards `launch.py generate --features` kept while answering
+     (named gen-*, grouped as answers finished, holding any set of layers), and an earlier run's,
+     whose grouping moves when answers are added in the middle of the file list.
   3. batches: sequences pooled, bucketed by length and right-padded to at most `batch_tokens`.
 
 Positions: a sequence x_0..x_{L-1} is the prompt (P tokens) then the answer (A = L - P tokens).
@@ -141,10 +142,10 @@ def forward_batch(target: Target, convs: list[Conversation], layers: tuple[int, 
 
 
 def capture_shard(target: Target, convs: list[Conversation], layers: tuple[int, ...], cfg: DataConfig,
-                  generated: "Generated") -> tuple[dict, int]:
-    """Tensors of one shard, sequences in the given order, and how many positions came from `generated`.
+                  captured: "Captured") -> tuple[dict, int]:
+    """Tensors of one shard, sequences in the given order, and how many positions came from `captured`.
     The others are captured now, batched shortest-first within the shard."""
-    rows = {i: r for i, c in enumerate(convs) if (r := generated.rows(c)) is not None}
+    rows = {i: r for i, c in enumerate(convs) if (r := captured.rows(c)) is not None}
     reused = sum(len(convs[i].ids) for i in rows)
     todo = [i for i in range(len(convs)) if i not in rows]
     lengths = torch.tensor([len(convs[i].ids) for i in todo])
@@ -186,13 +187,13 @@ def conversation_key(prompt_ids, answer_ids) -> bytes:
     return hashlib.sha1(json.dumps([list(prompt_ids), list(answer_ids)]).encode()).digest()
 
 
-class Generated:
-    """The generator's shards (gen-*) in a folder with `signature` and every one of `layers`:
-    conversation -> its rows, the feature columns of `layers` picked out of the shard's."""
+class Captured:
+    """The shards in a folder with `signature` and every one of `layers` (the generator's gen-* and
+    earlier captures): conversation -> its rows, the feature columns of `layers` picked out of the shard's."""
 
     def __init__(self, folder: Path, signature: str, layers: tuple[int, ...]):
         self.where: dict[bytes, tuple[Path, torch.Tensor, int, int, int, int]] = {}  # key -> (shard, cols, a, z, ta, tz)
-        for path in sorted(folder.glob(f"{GENERATED}*.safetensors")):
+        for path in sorted(folder.glob("*.safetensors")):
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata()
                 have = json.loads(meta.get("layers", "[]"))
@@ -224,12 +225,12 @@ def capture(target: Target, convs: list[Conversation], layers: tuple[int, ...], 
     chunks = [convs[i: i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
     paths = [folder / f"{shard_digest(c, target, layers, cfg.teacher_topk)}.safetensors" for c in chunks]
     todo = [(c, p) for c, p in zip(chunks, paths) if not p.is_file()]
-    generated = Generated(folder, signature(target, cfg.teacher_topk), layers) if todo else None
+    captured = Captured(folder, signature(target, cfg.teacher_topk), layers) if todo else None
     positions, reused, t0 = 0, 0, time.perf_counter()
     bar = tqdm(total=sum(len(x.ids) for c, _ in todo for x in c), unit="pos", desc=f"capture {label}",
                disable=not todo, dynamic_ncols=True)
     for chunk, path in todo:
-        tensors, found = capture_shard(target, chunk, layers, cfg, generated)
+        tensors, found = capture_shard(target, chunk, layers, cfg, captured)
         write_shard(path, tensors, layers, signature(target, cfg.teacher_topk))
         reused += found
         positions += len(tensors["tokens"]) - found
@@ -237,7 +238,7 @@ def capture(target: Target, convs: list[Conversation], layers: tuple[int, ...], 
     bar.close()
     seconds = time.perf_counter() - t0
     return paths, {"shards": len(paths), "captured_shards": len(todo), "positions": positions,
-                   "from_generated": reused, "seconds": seconds}
+                   "reused": reused, "seconds": seconds}
 
 
 # ---------------------------------------------------------------- in memory

@@ -238,10 +238,32 @@ def test_train_takes_generated_features_instead_of_capturing(tmp_path):
     for layers in [(2,), (1,), (1, 2)]:
         reused, stats = capture(target, convs, layers, cfg, tmp_path / "gen", f"{layers}")
         fresh, _ = capture(target, convs, layers, cfg, tmp_path / f"fresh{len(layers)}{layers[0]}", "t")
-        assert stats["positions"] == 0 and stats["from_generated"] == sum(len(c.ids) for c in convs)
+        assert stats["positions"] == 0 and stats["reused"] == sum(len(c.ids) for c in convs)
         a, b = load_features(reused), load_features(fresh)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.starts, b.starts) and torch.equal(a.tstarts, b.tstarts)
         torch.testing.assert_close(a.features.float(), b.features.float(), atol=2e-3, rtol=2e-3)
         assert torch.equal(a.teacher_ids[:, 0], b.teacher_ids[:, 0])
     other = capture(target, convs, (0, 2), cfg, tmp_path / "gen", "t")[1]  # layer 0 was not kept: capture
-    assert other["from_generated"] == 0 and other["positions"] == stats["from_generated"]
+    assert other["reused"] == 0 and other["positions"] == stats["reused"]
+
+
+def test_answers_added_mid_list_capture_only_the_new_conversations(tmp_path):
+    """Shards group conversations by position, so answers added in the middle of the file list move
+    every later shard's grouping; their rows are copied from the old shards, not captured again."""
+    from core.train_data import Conversation, DataConfig, capture, load_features
+
+    target = tiny_target(tiny_llama(seed=8))
+    rng = torch.Generator().manual_seed(0)
+    convs = [Conversation(tuple(torch.randint(3, 256, (5 + i,), generator=rng).tolist()),
+                          tuple(torch.randint(3, 256, (4 + i % 3,), generator=rng).tolist())) for i in range(9)]
+    cfg = DataConfig(answers=(), shard_size=4, teacher_topk=8)
+    first, stats = capture(target, convs[:6], (2,), cfg, tmp_path, "first")
+    assert stats["reused"] == 0
+    grown = convs[:2] + convs[6:] + convs[2:6]       # three new conversations in the middle
+    paths, stats = capture(target, grown, (2,), cfg, tmp_path, "grown")
+    assert stats["positions"] == sum(len(c.ids) for c in convs[6:])
+    assert stats["reused"] == sum(len(c.ids) for c in convs[:6])  # every old shard's grouping moved
+    fresh, _ = capture(target, grown, (2,), cfg, tmp_path / "fresh", "fresh")
+    a, b = load_features(paths), load_features(fresh)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.teacher_ids, b.teacher_ids)
+    torch.testing.assert_close(a.features.float(), b.features.float(), atol=2e-3, rtol=2e-3)
