@@ -22,7 +22,7 @@ import torch
 
 from core.budget import PLANNED_CONTEXT
 from core.config import TreeConfig
-from core.head_step import DRAFT_ROWS, HeadStep
+from core.head_step import HeadStep
 from core.tree import DraftTree, expand_frontier, make_tree, rerank, static_shape
 from models.cpu_quant import quantize_cpu, quantized
 from models.errors import UnsupportedModelError
@@ -66,10 +66,9 @@ class EagleDrafter:
     def reshape(self, tree: TreeConfig) -> None:
         """Draft trees of another shape from the next round on (the tuner re-plans between turns)."""
         fed = len(tree.choices) if tree.choices is not None else tree.depth * tree.top_k
-        if fed > DRAFT_ROWS - max(self.step.buckets):  # the head's cache has room for so many drafted nodes
+        if fed > self.step.room:
             raise UnsupportedModelError(f"A tree of depth {tree.depth} and top-k {tree.top_k} feeds the head {fed} "
-                                        f"nodes a round; it has room for {DRAFT_ROWS - max(self.step.buckets)}. "
-                                        "Lower --depth or --top-k.")
+                                        f"nodes a round; it has room for {self.step.room}. Lower --depth or --top-k.")
         self.tree = tree
         self.static = None if tree.choices is None else static_tree_shape(tree.choices)
 

@@ -36,7 +36,15 @@ def compile_graph(fn, device: torch.device):
     return run
 
 
-def compile_failure(error: Exception) -> str:
-    """What to tell the user when torch cannot compile (no C++ compiler, say): the eager path runs."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    return f"Compiling failed ({first}); running the eager forward instead (slower; --no-compile skips trying)"
+def compiled_all(compile_each, report=None) -> bool:
+    """Run `compile_each` (one call per graph, each compiling it); -> whether every graph compiled.
+    Where torch cannot compile (no C++ compiler, say), say so through `report`: the caller drops
+    its graphs and runs eagerly."""
+    try:
+        compile_each()
+        return True
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        if report is not None:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            report(f"Compiling failed ({first}); running the eager forward instead (slower; --no-compile skips trying)")
+        return False

@@ -17,7 +17,7 @@ unpadded.
 
 import torch
 
-from core.graphs import compile_failure, compile_graph
+from core.graphs import compile_graph, compiled_all
 from core.kv import attended_rows, cache_bytes, set_length, static_cache
 from core.tree import additive_mask
 
@@ -35,8 +35,10 @@ class HeadStep:
         self.buckets = CUDA_BUCKETS if self.device.type == "cuda" else CPU_BUCKETS
         self.capacity = context + DRAFT_ROWS
         self.compiled = False
+        self.dtype = weight.dtype  # of the head's activations and its cache
+        self.room = DRAFT_ROWS - max(self.buckets)  # drafted nodes a round can feed, padding aside
         c = head.config
-        self.cache = static_cache(1, self.capacity, c.num_key_value_heads, c.head_dim, weight.dtype, self.device)
+        self.cache = static_cache(1, self.capacity, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
         self._graphs: dict[tuple[int, int], object] = {}  # (rows, feature width) -> compiled step
 
     def feed(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
@@ -49,7 +51,7 @@ class HeadStep:
         if start + rows > self.capacity:
             raise ValueError(f"a {T}-row head step at row {start} overflows the head's {self.capacity}-row cache")
         # One graph per size: not per dtype or stride too (a frontier's parents can be a broadcast view).
-        features = features.to(self.cache.layers[0].keys.dtype).contiguous()
+        features = features.to(self.dtype).contiguous()
         pad = rows - T
         if pad:
             features = torch.cat([features, features.new_zeros(pad, features.shape[1])])
@@ -60,7 +62,7 @@ class HeadStep:
             seen[T:, n:] = torch.eye(pad, dtype=torch.bool, device=self.device)
             visible = seen
         width = attended_rows(past + n + pad, self.capacity, self.device)
-        mask = additive_mask(visible, past, self.cache.layers[0].keys.dtype, width=width)  # (1, 1, rows, Lk)
+        mask = additive_mask(visible, past, self.dtype, width=width)  # (1, 1, rows, Lk)
         set_length(self.cache, start)
         out, logp = self.graph(rows, features.shape[1])(features[None], tokens[None], positions[None], mask)
         return out[:T], logp[:T]
@@ -82,18 +84,17 @@ class HeadStep:
         """Compile every bucket for features of each width now, not in a chat's first rounds. Writes
         junk rows from row 0 on: the drafter's head must start over afterwards. Where torch cannot
         compile, say so and stay eager."""
-        self.compiled, dtype = True, self.cache.layers[0].keys.dtype
-        try:
+        self.compiled = True
+
+        def every_bucket():
             for width in widths:
                 for rows in self.buckets:
                     causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
-                    self.feed(torch.zeros(rows, width, dtype=dtype, device=self.device),
+                    self.feed(torch.zeros(rows, width, dtype=self.dtype, device=self.device),
                               torch.zeros(rows, dtype=torch.long, device=self.device),
                               torch.arange(rows, device=self.device), causal, 0)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
+        if not compiled_all(every_bucket, report):
             self.compiled, self._graphs = False, {}
-            if report is not None:
-                report(compile_failure(e))
 
     def nbytes(self) -> int:
         return cache_bytes(self.cache)

@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from core.budget import PLANNED_CONTEXT
-from core.graphs import compile_failure, compile_graph
+from core.graphs import compile_graph, compiled_all
 from core.kv import attended_rows, cache_bytes, keep_rows, set_length, static_cache
 from core.tree import additive_mask
 from models.quants import CPU_QUANTS
@@ -204,7 +204,8 @@ class TargetRunner:
         if not self.compiled:
             return 0.0
         t0 = time.perf_counter()
-        try:
+
+        def every_bucket():
             for i, size in enumerate(self.buckets):
                 if report is not None:
                     report(f"Compiling the target's forward for {size}-token trees ({i + 1}/{len(self.buckets)}; "
@@ -212,10 +213,8 @@ class TargetRunner:
                 self.reset()
                 self.verify(torch.zeros(size, dtype=torch.long), torch.arange(size),
                             torch.ones(size, size, dtype=torch.bool).tril())
-        except torch._dynamo.exc.BackendCompilerFailed as e:
+        if not compiled_all(every_bucket, report):
             self.compiled, self._graphs = False, {}
-            if report is not None:
-                report(compile_failure(e))
         self.reset()
         self.compile_s = time.perf_counter() - t0
         return self.compile_s

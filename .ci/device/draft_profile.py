@@ -32,11 +32,12 @@ messages = [{"role": "user", "content": "Write a short story about a robot who l
 prompt = list(target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+draft = drafter.draft  # the drafter's own, before answer() wraps it
 
 
 def answer(label: str) -> None:
     """One 64-token answer: each draft timed synchronized, the last few profiled."""
-    draft, times, profiled = type(drafter).draft.__get__(drafter), [], []
+    times, profiled = [], []
 
     def timed_draft(context, fresh):
         if len(times) >= 12 and len(profiled) < 4:
