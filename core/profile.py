@@ -29,7 +29,7 @@ WIDTHS = (1, 2, 4, 6, 8, 10)
 SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attention's growth with context
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512
 REPEATS = 5
-VERSION = 6
+VERSION = 7
 
 
 @dataclass(frozen=True)

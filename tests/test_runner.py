@@ -14,6 +14,7 @@ from transformers import AttentionInterface
 from core.drafters import PromptLookupDrafter
 from core.engine import Engine
 from core.config import SamplingConfig
+from core.graphs import NotCompiled, compiled_code
 from core.kv import CPU_KV_BLOCK
 from core.runner import ATTENTION, RunnerConfig, TargetRunner, tree_attention
 from core.tree import make_tree
@@ -203,3 +204,30 @@ def test_a_failed_compile_falls_back_to_eager_and_says_so(model, monkeypatch):
     assert not runner.compiled and any("Compiling failed" in line and "eager" in line for line in lines)
     out = verify_after(runner, list(range(12)), TREE)    # and it still verifies
     assert torch.isfinite(out.logits).all()
+
+
+def test_compiled_graphs_run_their_code_without_dynamo(model, compiled, monkeypatch):
+    """After its first call each CPU graph calls the code dynamo compiled directly (no guards); a
+    call that bypassed it would go through torch.compile's wrapper, which this test breaks."""
+    assert all(graph.direct is not None for graph in compiled._graphs.values())
+    for graph in compiled._graphs.values():
+        monkeypatch.setattr(graph, "compiled", None)   # calling it would raise TypeError
+    eager = eager_runner(model)
+    assert torch.equal(verify_after(compiled, list(range(30)), TREE).logits.argmax(-1),
+                       verify_after(eager, list(range(30)), TREE).logits.argmax(-1))
+
+
+def test_a_direct_graph_rejects_inputs_of_another_shape(model, compiled):
+    """Without dynamo's guards, inductor's own size asserts still stop a wrongly shaped call."""
+    compiled.reset()
+    compiled.prefill(list(range(10)), 0)
+    two = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(AssertionError):
+        compiled._graphs[4](two, torch.arange(2)[None], compiled.mask(torch.ones(2, 2, dtype=torch.bool), 10))
+
+
+def test_code_torch_never_compiled_is_refused():
+    runner = eager_runner(tiny_llama(seed=9, layers=1))   # no graph of this runner's shapes exists
+    with torch.inference_mode(), pytest.raises(NotCompiled):
+        compiled_code(runner.forward, (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                                       runner.mask(torch.ones(1, 1, dtype=torch.bool), 0)))
