@@ -7,12 +7,13 @@ host's dispatch cost per kernel (on the H200 we measured 29 ms for one eager tar
 7.6 ms replayed). On a CPU it is inductor code, and the mask's width (the cache
 rows attention reads) stays a symbolic size, so a chat growing longer never recompiles.
 
-On a CPU each graph, once compiled, is called directly, as vLLM does: dynamo checks ~600 guards
-on every call (each weight's and cache row's shape, dtype and strides, the modules' hooks) before
-it runs the compiled code, 1.7 ms of a 10 ms token of the embedded model (measured: 101 -> 122
-tokens/s). A graph's inputs are the bucket's fixed shapes and a runner's own weights and cache,
-so the guards that chose the code on the first call hold on every later one; inductor's code
-still asserts each input's size and stride, so a wrong shape fails loudly, never silently.
+Once compiled, a graph's code is called directly, as vLLM does: through torch.compile, dynamo
+checks ~600 guards on every call (each weight's and cache row's shape, dtype and strides, the
+modules' hooks) before it runs the compiled code, 1.7 ms of a 10 ms CPU token of the embedded
+model (measured: 91 -> 108 tokens/s). A graph's inputs are its bucket's fixed shapes and its
+runner's own weights and cache, so the guards that chose the code on the first call hold on
+every later one; inductor's code still asserts each input's size and stride, so a wrong shape
+fails loudly, never silently.
 """
 
 import functools
@@ -25,42 +26,34 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 RECOMPILE_LIMIT = 64  # graphs on one code object: every bucket of every runner and head a model switch builds
 
 
-def compile_graph(fn, device: torch.device):
-    """fn(*tensors, mask) -> a tensor or a tuple of tensors (None allowed), compiled whole; the last
-    argument is the (1, 1, T, Lk) additive mask. On CUDA the outputs are cloned: the next replay
-    overwrites a graph's own output buffers."""
-    # Past the limit dynamo would fall back to eager without a word.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    if device.type == "cuda":
-        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
-
-        def replay(*args):
-            torch.compiler.cudagraph_mark_step_begin()
-            outputs = compiled(*args)
-            return tuple(None if t is None else t.clone() for t in outputs)
-        return replay
-    return DirectGraph(fn)
-
-
 class NotCompiled(RuntimeError):
     pass
 
 
-class DirectGraph:
-    """fn compiled by inductor on its first call, then its compiled code called without dynamo.
-    fn is a bound method (the runner's or the head step's forward)."""
+class Graph:
+    """fn(*tensors, mask) -> a tensor or a tuple of tensors (None allowed), compiled whole on the
+    first call, then its compiled code called without dynamo. fn is a bound method (the runner's
+    or the head step's forward); the last argument is the (1, 1, T, Lk) additive mask."""
 
-    def __init__(self, fn):
-        # Lk, the mask's width, stays symbolic: one graph per size whatever the chat's length.
-        self.fn, self.compiled, self.direct = fn, torch.compile(fn, fullgraph=True, dynamic=False), None
+    def __init__(self, fn, device: torch.device):
+        # Past the limit dynamo would fall back to eager (compiled_code then refuses it).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self.cuda = device.type == "cuda"
+        mode = "reduce-overhead" if self.cuda else None
+        self.fn, self.compiled, self.direct = fn, torch.compile(fn, mode=mode, fullgraph=True, dynamic=False), None
 
     def __call__(self, *args):
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
         if self.direct is not None:
-            return self.direct(*args)
-        torch._dynamo.mark_dynamic(args[-1], 3)
-        outputs = self.compiled(*args)
-        self.direct = compiled_code(self.fn, args)
-        return outputs
+            outputs = self.direct(*args)
+        else:
+            if not self.cuda:  # Lk stays symbolic: one graph per size whatever the chat's length
+                torch._dynamo.mark_dynamic(args[-1], 3)
+            outputs = self.compiled(*args)
+            self.direct = compiled_code(self.fn, args)
+        # The next replay overwrites a CUDA graph's own output buffers.
+        return tuple(None if t is None else t.clone() for t in outputs) if self.cuda else outputs
 
 
 def compiled_code(method, args: tuple):

@@ -17,7 +17,7 @@ unpadded.
 
 import torch
 
-from core.graphs import compile_graph, compiled_all
+from core.graphs import Graph, compiled_all
 from core.kv import attended_rows, cache_bytes, set_length, static_cache
 from core.tree import additive_mask
 
@@ -76,7 +76,7 @@ class HeadStep:
         if not self.compiled or rows not in self.buckets:
             return self.forward
         if (rows, width) not in self._graphs:
-            self._graphs[rows, width] = compile_graph(self.forward, self.device)
+            self._graphs[rows, width] = Graph(self.forward, self.device)
         return self._graphs[rows, width]
 
     @torch.inference_mode()  # as drafting runs: a graph compiled with autograd on would not be reused

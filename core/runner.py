@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from core.budget import PLANNED_CONTEXT
-from core.graphs import compile_graph, compiled_all
+from core.graphs import Graph, compiled_all
 from core.kv import attended_rows, cache_bytes, keep_rows, set_length, static_cache
 from core.tree import additive_mask
 from models.quants import CPU_QUANTS
@@ -195,7 +195,7 @@ class TargetRunner:
         if not self.compiled:
             return self.forward
         if size not in self._graphs:
-            self._graphs[size] = compile_graph(self.forward, self.device)
+            self._graphs[size] = Graph(self.forward, self.device)
         return self._graphs[size]
 
     def warm_up(self, report=None) -> float:

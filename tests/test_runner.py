@@ -197,7 +197,7 @@ def test_a_tree_beyond_the_largest_bucket_goes_in_chunks(model):
 def test_a_failed_compile_falls_back_to_eager_and_says_so(model, monkeypatch):
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler found"), None)
-    monkeypatch.setattr("core.runner.compile_graph", lambda fn, device: broken)
+    monkeypatch.setattr("core.runner.Graph", lambda fn, device: broken)
     runner = TargetRunner(tiny_target(model), RunnerConfig(compile=True, buckets=(1, 4)))
     lines = []
     runner.warm_up(lines.append)
