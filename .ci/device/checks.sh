@@ -1,6 +1,7 @@
 # Device call 2: the GPU checks the issues owe, in one run, each step with its own time limit and
 # its log under $OUT: the gpu-marked tests, NVML, the draft profile, the bench on CUDA with NF4
-# (compiled, then eager), then answers for head training (--quant none: bf16 on CUDA) until the deadline.
+# (compiled, then eager), a short head training on CUDA, then answers for head training (--quant none: bf16
+# on CUDA) until the deadline.
 # BUDGET=seconds (default 540; give the call timeout_s 570) bounds the whole call; START=first shuffled mix_v1 prompt to answer
 # (default 30000: the CPU generator works from 21000, earlier GPU answers cover 18000-~20700).
 export PYTHONUNBUFFERED=1
@@ -23,6 +24,15 @@ stamp "compiled bench"; grep -v Loading $OUT/bench-compiled.log | tail -14 | cut
 timeout 90 python3 $A bench $B --limit 3 --no-compile --strategies plain,eagle > $OUT/bench-eager.log 2>&1
 stamp "eager bench"; tail -1 $OUT/bench-eager.log | cut -c1-600
 tar -cf $OUT/profiles.tar -C ~/.cache/aerie profiles 2>/dev/null
+# Head training on CUDA (issue 4 point 1): a short run on distill answers; the head it writes then
+# loads back into the engine and must stay lossless.
+xz -dc .gpu2/distill.jsonl.xz > /tmp/aerie/distill.jsonl
+timeout 100 python3 $A train --device cuda --out /tmp/aerie/head --answers /tmp/aerie/distill.jsonl \
+    --max-tokens 60000 --val-tokens 3000 --epochs 1 --eval-every 10 > $OUT/train-cuda.log 2>&1
+stamp "cuda train"; grep '^{' $OUT/train-cuda.log | tail -3 | cut -c1-400
+timeout 60 python3 $A bench --device cuda --quant nf4 --head /tmp/aerie/head --no-compile --limit 2 --max-new-tokens 32 \
+    --strategies plain,eagle > $OUT/bench-trained-head.log 2>&1
+stamp "trained head in the bench"; tail -1 $OUT/bench-trained-head.log | cut -c1-500
 left=$(( END - $(date +%s) - 20 ))
 if [ $left -gt 30 ]; then
   timeout $left python3 $A generate --device cuda --quant none --prompts /tmp/aerie/mix_v1.jsonl \
