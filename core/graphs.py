@@ -61,8 +61,8 @@ def compiled_code(method, args: tuple):
     entry of method's code whose guards these arguments pass, the one dynamo itself would run."""
     func, owner = method.__func__, method.__self__
     frame = dict(zip(inspect.signature(func).parameters, (owner, *args)))
-    entry = next((e for e in _debug_get_cache_entry_list(func.__code__) if e.guard_manager.check(frame)), None)
-    if entry is None:  # dynamo ran it eagerly (past its recompile limit, say)
+    entry = next((e for e in _debug_get_cache_entry_list(func.__code__) if e.code is not None and e.guard_manager.check(frame)), None)
+    if entry is None:
         raise NotCompiled(f"torch did not compile {func.__qualname__}")
     return functools.partial(types.FunctionType(entry.code, func.__globals__), owner)
 
