@@ -12,8 +12,8 @@ checks ~600 guards on every call (each weight's and cache row's shape, dtype and
 modules' hooks) before it runs the compiled code, 1.7 ms of a 10 ms CPU token of the embedded
 model (measured: 91 -> 108 tokens/s). A graph's inputs are its bucket's fixed shapes and its
 runner's own weights and cache, so the guards that chose the code on the first call hold on
-every later one; inductor's code still asserts each input's size and stride, so a wrong shape
-fails loudly, never silently.
+every later one. What stays checked is inductor's own assert of each input's size and stride
+(not dtypes, and not the mask's width against the cache: `attended_rows` bounds that).
 """
 
 import functools
@@ -36,11 +36,13 @@ class Graph:
     or the head step's forward); the last argument is the (1, 1, T, Lk) additive mask."""
 
     def __init__(self, fn, device: torch.device):
-        # Past the limit dynamo would fall back to eager (compiled_code then refuses it).
+        # Past the limit a fullgraph compile raises (FailOnRecompileLimitHit) instead of compiling.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.cuda = device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None
-        self.fn, self.compiled, self.direct = fn, torch.compile(fn, mode=mode, fullgraph=True, dynamic=False), None
+        self.fn = fn
+        self.compiled = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
+        self.direct = None  # the compiled code, bound after the first call
 
     def __call__(self, *args):
         if self.cuda:
@@ -62,7 +64,7 @@ def compiled_code(method, args: tuple):
     func, owner = method.__func__, method.__self__
     frame = dict(zip(inspect.signature(func).parameters, (owner, *args)))
     entry = next((e for e in _debug_get_cache_entry_list(func.__code__) if e.code is not None and e.guard_manager.check(frame)), None)
-    if entry is None:
+    if entry is None:  # dynamo ran it eagerly (disabled, say)
         raise NotCompiled(f"torch did not compile {func.__qualname__}")
     return functools.partial(types.FunctionType(entry.code, func.__globals__), owner)
 
