@@ -71,12 +71,12 @@ def compiled_code(method, args: tuple):
 
 def compiled_all(compile_each, report=None) -> bool:
     """Run `compile_each` (one call per graph, each compiling it); -> whether every graph compiled.
-    Where torch cannot compile (no C++ compiler, say), say so through `report`: the caller drops
-    its graphs and runs eagerly."""
+    Where torch cannot compile (no C++ compiler, or past RECOMPILE_LIMIT graphs after many model
+    switches), say so through `report`: the caller drops its graphs and runs eagerly."""
     try:
         compile_each()
         return True
-    except (torch._dynamo.exc.BackendCompilerFailed, NotCompiled) as e:
+    except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit, NotCompiled) as e:
         if report is not None:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             report(f"Compiling failed ({first}); running the eager forward instead (slower; --no-compile skips trying)")

@@ -210,6 +210,18 @@ def test_a_failed_compile_falls_back_to_eager_and_says_so(model, monkeypatch):
     assert torch.isfinite(out.logits).all()
 
 
+def test_past_the_recompile_limit_a_runner_runs_eagerly_and_says_so(monkeypatch):
+    """With fullgraph, dynamo raises at its recompile limit instead of falling back itself: the
+    runner must catch that, say so, and still verify (eagerly)."""
+    monkeypatch.setattr("core.graphs.RECOMPILE_LIMIT", 1)
+    runner = TargetRunner(tiny_target(tiny_llama(seed=11, layers=1)), RunnerConfig(compile=True, buckets=(1, 2, 4)))
+    lines = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        runner.warm_up(lines.append)
+    assert not runner.compiled and any("Compiling failed" in line and "eager" in line for line in lines)
+    assert torch.isfinite(verify_after(runner, list(range(12)), TREE).logits).all()
+
+
 def test_compiled_graphs_run_their_code_without_dynamo(model, compiled, monkeypatch):
     """After its first call each CPU graph calls the code dynamo compiled directly (no guards); a
     call that bypassed it would go through torch.compile's wrapper, which this test breaks."""
