@@ -12,8 +12,9 @@ checks ~600 guards on every call (each weight's and cache row's shape, dtype and
 modules' hooks) before it runs the compiled code, 1.7 ms of a 10 ms CPU token of the embedded
 model (measured: 91 -> 108 tokens/s). A graph's inputs are its bucket's fixed shapes and its
 runner's own weights and cache, so the guards that chose the code on the first call hold on
-every later one. What stays checked is inductor's own assert of each input's size and stride
-(not dtypes, and not the mask's width against the cache: `attended_rows` bounds that).
+every later one. What stays checked: each input's dtype, device and shape against the first
+call's (`signature`, a few microseconds), and inductor's own assert of sizes and strides; not the
+mask's width against the cache, which `attended_rows` bounds.
 """
 
 import functools
@@ -43,19 +44,30 @@ class Graph:
         self.fn = fn
         self.compiled = torch.compile(fn, mode=mode, fullgraph=True, dynamic=False)
         self.direct = None  # the compiled code, bound after the first call
+        self.signature = None  # the inputs it was compiled for
 
     def __call__(self, *args):
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
         if self.direct is not None:
+            if signature(args, self.cuda) != self.signature:
+                raise ValueError(f"{self.fn.__qualname__} was compiled for inputs {self.signature}; "
+                                 f"called with {signature(args, self.cuda)}")
             outputs = self.direct(*args)
         else:
             if not self.cuda:  # Lk stays symbolic: one graph per size whatever the chat's length
                 torch._dynamo.mark_dynamic(args[-1], 3)
             outputs = self.compiled(*args)
-            self.direct = compiled_code(self.fn, args)
+            self.direct, self.signature = compiled_code(self.fn, args), signature(args, self.cuda)
         # The next replay overwrites a CUDA graph's own output buffers.
         return tuple(None if t is None else t.clone() for t in outputs) if self.cuda else outputs
+
+
+def signature(args: tuple, cuda: bool) -> tuple:
+    """Each input's dtype, device and shape; on a CPU the mask's width (last input, last axis) is
+    left out: it is symbolic in the graph."""
+    last = len(args) - 1
+    return tuple((t.dtype, t.device, t.shape[:-1] if i == last and not cuda else t.shape) for i, t in enumerate(args))
 
 
 def compiled_code(method, args: tuple):

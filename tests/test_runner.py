@@ -233,13 +233,23 @@ def test_compiled_graphs_run_their_code_without_dynamo(model, compiled, monkeypa
                        verify_after(eager, list(range(30)), TREE).logits.argmax(-1))
 
 
-def test_a_direct_graph_rejects_inputs_of_another_shape(model, compiled):
-    """Without dynamo's guards, inductor's own size asserts still stop a wrongly shaped call."""
+def test_a_direct_graph_rejects_inputs_it_was_not_compiled_for(model, compiled):
+    """Without dynamo's guards a direct call still checks each input's shape and dtype (a clear
+    error, not inductor's code run on other memory), while the mask's width may grow."""
     compiled.reset()
     compiled.prefill(list(range(10)), 0)
-    two = torch.zeros(1, 2, dtype=torch.long)
-    with pytest.raises(AssertionError):
-        compiled._graphs[4](two, torch.arange(2)[None], compiled.mask(torch.ones(2, 2, dtype=torch.bool), 10))
+    graph = compiled._graphs[4]
+    ids, positions = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]
+    mask = compiled.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 10)
+    wider = compiled.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 70)
+    assert wider.shape[-1] > mask.shape[-1]
+    graph(ids, positions, wider)                                    # a longer chat: same graph
+    with pytest.raises(ValueError, match="compiled for"):
+        graph(ids[:, :2], positions[:, :2], compiled.mask(torch.ones(2, 2, dtype=torch.bool), 10))
+    with pytest.raises(ValueError, match="compiled for"):
+        graph(ids, positions, mask.half())
+    with pytest.raises(ValueError, match="compiled for"):
+        graph(ids.int(), positions, mask)
 
 
 def test_code_torch_never_compiled_is_refused():
