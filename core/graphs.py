@@ -12,8 +12,8 @@ checks ~600 guards on every call (each weight's and cache row's shape, dtype and
 modules' hooks) before it runs the compiled code, 1.7 ms of a 10 ms CPU token of the embedded
 model (measured: 91 -> 108 tokens/s). A graph's inputs are its bucket's fixed shapes and its
 runner's own weights and cache, so the guards that chose the code on the first call hold on
-every later one. What stays checked: each input's dtype, device and shape against the first
-call's (`signature`, a few microseconds), and inductor's own assert of sizes and strides; not the
+every later one. What stays checked: grad mode and each input's dtype, device and shape against
+the first call's (`signature`, two microseconds), and inductor's own assert of sizes and strides; not the
 mask's width against the cache, which `attended_rows` bounds.
 """
 
@@ -64,10 +64,11 @@ class Graph:
 
 
 def signature(args: tuple, cuda: bool) -> tuple:
-    """Each input's dtype, device and shape; on a CPU the mask's width (last input, last axis) is
-    left out: it is symbolic in the graph."""
+    """Whether autograd records, and each input's dtype, device and shape; on a CPU the mask's
+    width (last input, last axis) is left out: it is symbolic in the graph."""
     last = len(args) - 1
-    return tuple((t.dtype, t.device, t.shape[:-1] if i == last and not cuda else t.shape) for i, t in enumerate(args))
+    return (torch.is_grad_enabled(),
+            *((t.dtype, t.device, t.shape[:-1] if i == last and not cuda else t.shape) for i, t in enumerate(args)))
 
 
 def compiled_code(method, args: tuple):

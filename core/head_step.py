@@ -41,6 +41,7 @@ class HeadStep:
         self.cache = static_cache(1, self.capacity, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
         self._graphs: dict[tuple[int, int], object] = {}  # (rows, feature width) -> compiled step
 
+    @torch.inference_mode()  # as its graphs were compiled: autograd off
     def feed(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
              past: int) -> tuple[torch.Tensor, torch.Tensor]:
         """features (T, F), tokens (T,) target ids, positions (T,), visible (T, n) bool ->

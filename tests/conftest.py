@@ -66,3 +66,18 @@ def load_tuned_tiny(tiny_dir: Path, cache_dir: Path):
 
     return load_tuned(EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, compile=False,
                                  head="random", strategy="eagle"))
+
+
+def guard_checked(graph):
+    """graph.direct, asserting on every call that the cache entry dynamo would run for these
+    arguments (the first whose guards pass) is the one the graph bound on its first call. Counts
+    its calls (`.calls`)."""
+    from core.graphs import compiled_code
+    bound = graph.direct
+
+    def call(*args):
+        assert compiled_code(graph.fn, args).func.__code__ is bound.func.__code__, "dynamo would run other code"
+        call.calls += 1
+        return bound(*args)
+    call.calls = 0
+    return call

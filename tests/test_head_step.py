@@ -13,7 +13,7 @@ from core.config import SamplingConfig, TreeConfig
 from core.eagle import EagleDrafter
 from core.engine import Engine
 from core.head_step import CPU_BUCKETS
-from tests.conftest import tiny_llama, tiny_target
+from tests.conftest import guard_checked, tiny_llama, tiny_target
 from tests.test_eagle import random_head
 
 
@@ -70,17 +70,22 @@ def test_compiled_drafter_drafts_the_same_trees_and_stays_lossless(model, kind, 
 
 
 def test_no_head_recompiles_in_steady_state(model, monkeypatch):
-    """Each call through dynamo's guards (not the graphs' direct calls): none fails."""
+    """Every call checked against dynamo's guards: each graph's direct code is what dynamo would run."""
     _, compiled = drafter_pair(model, "eagle1", TreeConfig(2, 4, 10))
     for graph in compiled.step._graphs.values():
-        monkeypatch.setattr(graph, "direct", graph.compiled)
+        monkeypatch.setattr(graph, "direct", guard_checked(graph))
     engine = Engine(tiny_target(model), compiled)
     prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(4)).tolist()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for chat in range(2):  # the head's cache crosses several 64-row blocks
-            engine.reset()
-            steps = list(engine.generate(prompt[: 60 + 10 * chat], SamplingConfig(max_new_tokens=60)))
-            assert len(steps) > 10 and compiled.head_len > 64
+    for chat in range(2):  # the head's cache crosses several 64-row blocks
+        engine.reset()
+        steps = list(engine.generate(prompt[: 60 + 10 * chat], SamplingConfig(max_new_tokens=60)))
+        assert len(steps) > 10 and compiled.head_len > 64
+        width, past = compiled.head.config.target_width, compiled.head_len
+        with torch.inference_mode():  # inputs made as the drafter makes them: inference tensors
+            for T in range(1, 9):     # and feeds of every size, whatever the chat drafted
+                compiled.step.feed(torch.zeros(T, width), torch.zeros(T, dtype=torch.long),
+                                   torch.arange(past, past + T), torch.ones(T, T, dtype=torch.bool).tril(), past)
+    assert all(graph.direct.calls for graph in compiled.step._graphs.values())   # every bucket ran
 
 
 def test_a_tree_too_big_for_the_head_cache_is_refused_clearly(model):

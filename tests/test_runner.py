@@ -18,7 +18,7 @@ from core.graphs import NotCompiled, compiled_code
 from core.kv import CPU_KV_BLOCK
 from core.runner import ATTENTION, RunnerConfig, TargetRunner, tree_attention
 from core.tree import make_tree
-from tests.conftest import tiny_llama, tiny_target
+from tests.conftest import guard_checked, tiny_llama, tiny_target
 
 TREE = make_tree([7, 11, 12, 13, 21, 22], [-1, 0, 0, 0, 1, 4])  # 6 nodes: bucket 8 pads 2 rows
 
@@ -144,18 +144,21 @@ def test_registered_attention_matches_sdpa_and_stays_causal_without_a_4d_mask(mo
 
 def test_no_recompiles_in_steady_state(model, compiled, monkeypatch):
     """Two chats, every bucket, varying accepted lengths, the KV length crossing several blocks,
-    each call through dynamo's guards: none fails, so calling the compiled code directly (what the
-    graphs do) runs what dynamo itself would have run."""
+    every call checked against dynamo's guards: the code each graph calls directly is the code
+    dynamo itself would have run, call after call."""
     for graph in compiled._graphs.values():
-        monkeypatch.setattr(graph, "direct", graph.compiled)
+        monkeypatch.setattr(graph, "direct", guard_checked(graph))
     engine = Engine(tiny_target(model), PromptLookupDrafter(), compiled)
     prompt = [5, 6, 7, 8] * 60                    # repetitive: prompt lookup drafts, trees of many sizes
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for chat in range(2):
-            engine.reset()
-            steps = list(engine.generate(prompt[: 200 + 20 * chat], SamplingConfig(max_new_tokens=80)))
-            assert compiled.length > 256 and len(steps) > 10
-    assert {s.tree_size for s in steps[1:]} - {1} , "prompt lookup drafted nothing"
+    for chat in range(2):
+        engine.reset()
+        steps = list(engine.generate(prompt[: 200 + 20 * chat], SamplingConfig(max_new_tokens=80)))
+        assert compiled.length > 256 and len(steps) > 10
+        for n in range(1, 9):                     # and chains of every size, whatever the chat drafted
+            chain = make_tree(list(range(20, 20 + n)), list(range(-1, n - 1)))
+            compiled.verify(chain.tokens, chain.depth, chain.ancestor_mask)
+            compiled.commit(torch.tensor([0]), [20])
+    assert all(graph.direct.calls for graph in compiled._graphs.values())
 
 
 def test_compiled_engine_is_lossless(model, compiled):
@@ -234,8 +237,8 @@ def test_compiled_graphs_run_their_code_without_dynamo(model, compiled, monkeypa
 
 
 def test_a_direct_graph_rejects_inputs_it_was_not_compiled_for(model, compiled):
-    """Without dynamo's guards a direct call still checks each input's shape and dtype (a clear
-    error, not inductor's code run on other memory), while the mask's width may grow."""
+    """Without dynamo's guards a direct call still checks grad mode and each input's shape and
+    dtype (a clear error, not inductor's code run on other memory), while the mask's width may grow."""
     compiled.reset()
     compiled.prefill(list(range(10)), 0)
     graph = compiled._graphs[4]
@@ -243,13 +246,14 @@ def test_a_direct_graph_rejects_inputs_it_was_not_compiled_for(model, compiled):
     mask = compiled.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 10)
     wider = compiled.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 70)
     assert wider.shape[-1] > mask.shape[-1]
-    graph(ids, positions, wider)                                    # a longer chat: same graph
-    with pytest.raises(ValueError, match="compiled for"):
-        graph(ids[:, :2], positions[:, :2], compiled.mask(torch.ones(2, 2, dtype=torch.bool), 10))
-    with pytest.raises(ValueError, match="compiled for"):
-        graph(ids, positions, mask.half())
-    with pytest.raises(ValueError, match="compiled for"):
-        graph(ids.int(), positions, mask)
+    with torch.inference_mode():                                    # as verify runs
+        graph(ids, positions, wider)                                # a longer chat: same graph
+        for bad in ((ids[:, :2], positions[:, :2], compiled.mask(torch.ones(2, 2, dtype=torch.bool), 10)),
+                    (ids, positions, mask.half()), (ids.int(), positions, mask)):
+            with pytest.raises(ValueError, match="compiled for"):
+                graph(*bad)
+    with pytest.raises(ValueError, match="compiled for"):           # compiled with autograd off
+        graph(ids, positions, mask)
 
 
 def test_code_torch_never_compiled_is_refused():
