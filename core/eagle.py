@@ -110,9 +110,10 @@ class EagleDrafter:
         K, device = features.shape[0], features.device
         positions = torch.arange(self.head_len, self.head_len + K, device=device)           # (K,)
         causal = torch.ones(K, K, dtype=torch.bool, device=device).tril()
-        out, logp = self.step.feed(features, torch.tensor(next_tokens, device=device), positions, causal, self.head_len)
+        out, logp = self.step.feed(features, torch.tensor(next_tokens, device=device), positions, causal, self.head_len,
+                                   last_only=True)
         self.head_len += K
-        return out[-1], logp[-1]
+        return out[-1], logp[0]
 
     def grow(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
         """EAGLE-2's expand-then-rerank from the root's head output and its log-probs."""

@@ -75,11 +75,15 @@ def compiled_code(method, args: tuple):
     """The code dynamo compiled for method(*args), as a function of the same arguments: the cache
     entry of method's code whose guards these arguments pass, the one dynamo itself would run."""
     func, owner = method.__func__, method.__self__
-    frame = dict(zip(inspect.signature(func).parameters, (owner, *args)))
+    bound = inspect.signature(func).bind(owner, *args)
+    bound.apply_defaults()  # the guards may read any argument, defaulted ones too
+    frame = dict(bound.arguments)
     entry = next((e for e in _debug_get_cache_entry_list(func.__code__) if e.code is not None and e.guard_manager.check(frame)), None)
     if entry is None:  # dynamo ran it eagerly (disabled, say)
         raise NotCompiled(f"torch did not compile {func.__qualname__}")
-    return functools.partial(types.FunctionType(entry.code, func.__globals__), owner)
+    compiled = types.FunctionType(entry.code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    compiled.__kwdefaults__ = func.__kwdefaults__  # the code has fn's signature; defaults live on the function
+    return functools.partial(compiled, owner)
 
 
 def compiled_all(compile_each, report=None) -> bool:

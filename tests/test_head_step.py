@@ -52,6 +52,23 @@ def test_compiled_padded_step_equals_eager(model, kind):
     assert {rows for rows, _ in compiled.step._graphs} == set(CPU_BUCKETS)
 
 
+def test_a_catch_up_scores_only_its_last_row(model):
+    """last_only: the last row's log-probs as a full step computes them, eager or compiled, in a
+    bucket or past the largest (a prompt)."""
+    eager, compiled = drafter_pair(model, "eagle1", TreeConfig(2, 3, 8))
+    width = eager.head.config.target_width
+    gen = torch.Generator().manual_seed(5)
+    for T in (3, 20):
+        args = (torch.randn(T, width, generator=gen), torch.randint(0, 256, (T,), generator=gen), torch.arange(T),
+                torch.ones(T, T, dtype=torch.bool).tril(), 0)
+        for step in (eager.step, compiled.step):
+            out, logp = step.feed(*args)
+            last_out, last_logp = step.feed(*args, last_only=True)
+            assert last_logp.shape == (1, logp.shape[1]) and logp.shape[0] == T
+            torch.testing.assert_close(last_logp[0], logp[-1])
+            torch.testing.assert_close(last_out, out)
+
+
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("tree", [TreeConfig(3, 3, 10), TreeConfig(choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0)))])
 def test_compiled_drafter_drafts_the_same_trees_and_stays_lossless(model, kind, tree):
