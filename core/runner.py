@@ -209,7 +209,7 @@ class TargetRunner:
             for i, size in enumerate(self.buckets):
                 if report is not None:
                     report(f"Compiling the target's forward for {size}-token trees ({i + 1}/{len(self.buckets)}; "
-                           "a first start takes a minute or two, later ones load it from torch's cache)")
+                           "a first start takes two or three minutes, later ones load it from torch's cache)")
                 self.reset()
                 self.verify(torch.zeros(size, dtype=torch.long), torch.arange(size),
                             torch.ones(size, size, dtype=torch.bool).tril())
