@@ -188,6 +188,7 @@ def run_app(args: argparse.Namespace) -> None:
     from core.factory import load_tuned
     from core.probe import Probe, load_nvml
     from core.switching import preflight
+    from core.worker import Worker
 
     probe = Probe(load_nvml())  # one NVML session for placement and the monitor
 
@@ -206,8 +207,9 @@ def run_app(args: argparse.Namespace) -> None:
     try:
         store = ChatStore(default_store_path())  # before the model: a store that cannot open fails fast
         choice = ModelChoice(args.model, args.quant, args.head)
-        loaded = loader(choice)
-        service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir, check)
+        worker = Worker()  # the thread for all torch work: it loads and warms up the model it will run
+        loaded = worker.call(lambda: loader(choice))
+        service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir, check, worker)
     except AerieError as e:
         fail(e)
     port = free_port(args.host, args.port)

@@ -16,6 +16,7 @@ from core.monitor import Snapshot, snapshot
 from core.probe import Probe
 from core.switching import SwitchReport, fetch, process_bytes, release
 from core.tuner import Meter
+from core.worker import Worker
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
 
@@ -142,7 +143,10 @@ class ChatService:
 
     def __init__(self, engine, loader: Callable | None = None, tuner=None, probe: Probe | None = None,
                  choice: ModelChoice = ModelChoice(), cache_dir: Path | None = None,
-                 preflight: Callable[[ModelChoice], None] | None = None):
+                 preflight: Callable[[ModelChoice], None] | None = None, worker: Worker | None = None):
+        # Every torch call (answers, switches) runs on this one thread (core/worker.py says why);
+        # launch.py passes the one that loaded `engine`.
+        self.worker = worker or Worker()
         self.engine = engine
         self.cache_dir = cache_dir  # where Hub downloads go (cache_dir/hub), as the loader reads them
         self.preflight = preflight  # cheap checks of a ModelChoice before the current model is freed
@@ -174,18 +178,22 @@ class ChatService:
         if self.loader is None:
             raise RuntimeError("this ChatService was built without a model loader")
         with self.busy:
-            if self.preflight is not None:
-                self.preflight(choice)  # a typo costs nothing: the current model is still loaded
-            device = self.engine.target.device
-            before = process_bytes(device)
-            self.engine = self.tuner = None  # drop every reference to the old model before loading
-            freed_to = release(device)
-            try:
-                loaded = self.loader(choice)
-            except Exception as e:  # noqa: BLE001 - whatever failed, the previous model must come back
-                self._restore(e)
-            self.engine, self.tuner, self.choice = loaded.engine, loaded.tuner, choice
-            used = process_bytes(self.engine.target.device) - (freed_to if self.engine.target.device == device else 0)
+            return self.worker.call(lambda: self._switch(choice))
+
+    def _switch(self, choice: ModelChoice) -> SwitchReport:
+        """load_model's work, on the worker."""
+        if self.preflight is not None:
+            self.preflight(choice)  # a typo costs nothing: the current model is still loaded
+        device = self.engine.target.device
+        before = process_bytes(device)
+        self.engine = self.tuner = None  # drop every reference to the old model before loading
+        freed_to = release(device)
+        try:
+            loaded = self.loader(choice)
+        except Exception as e:  # noqa: BLE001 - whatever failed, the previous model must come back
+            self._restore(e)
+        self.engine, self.tuner, self.choice = loaded.engine, loaded.tuner, choice
+        used = process_bytes(self.engine.target.device) - (freed_to if self.engine.target.device == device else 0)
         return SwitchReport(self.label, str(self.engine.target.device), max(before - freed_to, 0), max(used, 0))
 
     def _restore(self, error: Exception) -> NoReturn:
@@ -213,7 +221,10 @@ class ChatService:
             if cancel.is_set():
                 return
         try:
-            yield from self._reply(messages, system_prompt, sampling, stop_strings, cancel, strategy)
+            # Each step runs on the worker; closing this early returns once the worker has closed
+            # the engine's generator, so the lock is released with the engine free.
+            yield from self.worker.stream(
+                lambda: self._reply(messages, system_prompt, sampling, stop_strings, cancel, strategy))
         finally:
             # A generator may be closed from another thread than the one that started it:
             # a plain Lock, unlike an RLock, can be released there.

@@ -115,6 +115,37 @@ def test_reply_reports_cancel(tiny_service):
     assert events[-1].finish == "cancelled" and events[-1].stats.new_tokens < 100
 
 
+def test_every_step_runs_on_the_services_worker(tiny_service, monkeypatch):
+    """All torch work on one thread (core/worker.py): the engine's steps never run on the reader's."""
+    engine, on_worker = tiny_service.engine, []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda *a, **k: on_worker.append(tiny_service.worker.here) or step(*a, **k))
+    collect(tiny_service, [{"role": "user", "content": "Go on"}], SamplingConfig(max_new_tokens=12))
+    assert on_worker and all(on_worker)
+
+
+def test_leaving_a_reply_early_frees_the_engine(tiny_service, monkeypatch):
+    engine, steps, released = tiny_service.engine, [], threading.Event()
+    step = engine.step
+
+    def slow_step(*a, **k):  # one step at a time until the reader has left
+        steps.append(1)
+        released.wait(5)
+        return step(*a, **k)
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    events = tiny_service.reply([{"role": "user", "content": "Go on"}], "", SamplingConfig(max_new_tokens=200), (),
+                                threading.Event())
+    next(events)
+    released.set()
+    events.close()
+    assert tiny_service.busy.acquire(blocking=False)  # released, with the engine's generator closed
+    tiny_service.busy.release()
+    assert tiny_service.worker.call(lambda: len(steps)) == len(steps) < 199  # and nothing runs on
+    text, _ = collect(tiny_service, [{"role": "user", "content": "Again"}], SamplingConfig(max_new_tokens=5))
+    assert text  # the engine is reusable
+
+
 @pytest.mark.slow
 def test_embedded_model_knows_the_capital_of_france(embedded_target):
     service = ChatService(Engine(embedded_target))

@@ -1,0 +1,93 @@
+"""One long-lived thread for all of a process's torch work: loading and warming a model up, the
+latency profile, every generation step, model switches.
+
+Why one thread: torch's CPU kernels run on OpenMP, and OpenMP gives every OS thread that enters
+a parallel region a team of its own. The app used to load and compile on the main thread, then
+answer on whichever thread the server lent it (a fresh thread per API request, a pool thread per
+Gradio step), so two or more teams shared the cores. Measured on the 2-core Xeon of issue 17, the
+same engine decoding plainly: 52.7 / 54.7 tok/s on the thread that warmed it up, 40.8 / 37.0 on a
+fresh thread, 43.1 / 44.0 with each step on a pool thread. Callers hand work over here and read
+results back through a queue, which costs microseconds per step.
+
+`call` runs one function and waits for it. `stream` runs a generator here and hands its items
+over as they come: the worker does not wait for the reader, so a slow page or socket costs the
+engine nothing. Jobs run one at a time, in order.
+"""
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future, wait
+from typing import Callable, Generator, Iterator, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_END = object()  # a stream's last item: its generator has been closed on the worker
+
+
+class Worker:
+    def __init__(self, name: str = "aerie-torch"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def here(self) -> bool:
+        """Whether the caller is the worker itself (then work runs inline: waiting would deadlock)."""
+        return threading.current_thread() is self._thread
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[[], T]) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn() run on the worker; its result, or its exception raised here."""
+        return fn() if self.here else self.submit(fn).result()
+
+    def stream(self, items: Callable[[], Generator[T, None, None]]) -> Iterator[T]:
+        """The items of `items()`, made and advanced on the worker. Closing this early stops the
+        worker's generator after the item it is on (it is closed there, so its `finally` runs on
+        the worker) and returns once it has: whatever it held is free again."""
+        if self.here:
+            yield from items()
+            return
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        stop = threading.Event()
+        job = self.submit(lambda: _pump(items, out, stop))
+        finished = False
+        try:
+            while (item := out.get()) is not _END:
+                yield item
+            finished = True
+            job.result()  # raises what the generator raised
+        finally:
+            stop.set()
+            wait([job])
+            if not finished and job.exception() is not None:
+                log.error("A stream's work failed after its reader had left", exc_info=job.exception())
+
+
+def _pump(items: Callable[[], Generator[T, None, None]], out: queue.SimpleQueue, stop: threading.Event) -> None:
+    """On the worker: run the generator, putting each item in `out` until it ends or `stop` is set."""
+    try:
+        source = items()
+        try:
+            for item in source:
+                out.put(item)
+                if stop.is_set():
+                    break
+        finally:
+            source.close()
+    finally:
+        out.put(_END)  # also after a failure: the reader must not wait for ever
