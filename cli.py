@@ -46,6 +46,9 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
         p.add_argument("--compare-default-tree", action="store_true",
                        help="add eagle_default_tree: EAGLE's published default (60 tokens, depth 6, top_k 10) beside the tuned eagle")
         p.add_argument("--trees", help="add fixed EAGLE shapes, e.g. '0,4,5 2,4,12' (depth,top_k,total_tokens each): a grid in one run")
+        p.add_argument("--serve", action="store_true",
+                       help="also ask a live Aerie server (launch.py --no-browser on a free port, with these model flags) "
+                       "for the same answers through its OpenAI API, and print its wall-clock tok/s beside the bench's")
     else:
         p.add_argument("--strategy", default="auto", choices=["auto", "eagle", "prompt_lookup", "plain"],
                        help="auto = eagle with a head, prompt lookup without")

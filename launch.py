@@ -227,6 +227,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from core.bench import bench, parse_trees
     from core.config import TreeConfig
     from core.errors import AerieError
+    from core.served import ServedClient, Server
 
     strategies = tuple(args.strategies.split(",")) if args.strategies else None
     if not args.prompts.is_file():
@@ -235,10 +236,27 @@ def run_bench(args: argparse.Namespace) -> None:
         trees = parse_trees(args.trees)
         if args.compare_default_tree:
             trees["eagle_default_tree"] = TreeConfig(depth=6, top_k=10, total_tokens=60)
-        report = bench(engine_spec(args), args.prompts, args.limit, args.max_new_tokens, args.context, strategies, trees)
+        server = Server(server_command(args)) if args.serve else None
+        try:
+            report = bench(engine_spec(args), args.prompts, args.limit, args.max_new_tokens, args.context, strategies,
+                           trees, ServedClient(server.url) if server else None)
+        finally:
+            if server:
+                server.stop()
     except (AerieError, ValueError) as e:
         fail(e)
     print(json.dumps(report))
+
+
+def server_command(args: argparse.Namespace) -> list[str]:
+    """`launch.py` serving the model bench was asked for, on this machine only, for `bench --serve`."""
+    values = {"--model": args.model, "--quant": args.quant, "--device": args.device, "--head": args.head,
+              "--depth": args.depth, "--top-k": args.top_k, "--total-tokens": args.total_tokens,
+              "--cache-dir": args.cache_dir, "--vram-reserve": args.vram_reserve}
+    flags = {"--allow-pickle": args.allow_pickle, "--static-tree": args.static_tree, "--no-compile": args.no_compile}
+    return [sys.executable, str(ROOT / "launch.py"), "--no-browser", "--host", "127.0.0.1",
+            *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
+            *(name for name, on in flags.items() if on)]
 
 
 def run_train(args: argparse.Namespace) -> None:

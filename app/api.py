@@ -4,7 +4,8 @@
     POST /v1/chat/completions     one answer, as JSON or streamed as server-sent events
 
 It speaks to the same service as the page (`service.reply(...)` yields `ReplyEvent`s) and adds
-Aerie's speculation statistics in an "aerie" field. Errors come back in OpenAI's shape,
+Aerie's speculation statistics in an "aerie" field; a request's own "aerie" field may pick the
+drafter (app/api_request.py). Errors come back in OpenAI's shape,
 {"error": {"message", "type", "param", "code"}}. It knows nothing about torch or tokens.
 
 launch.py hands the routes to Gradio's FastAPI app:
@@ -28,7 +29,7 @@ from starlette.routing import BaseRoute
 
 from app.api_request import ApiError, CompletionRequest, parse_request
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
-from core.errors import AerieError, ContextOverflowError
+from core.errors import AerieError, ContextOverflowError, StrategyUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ def aerie_error(exc: AerieError) -> ApiError:
     """A failure of the service in OpenAI's shape: a prompt too long is the client's to fix."""
     if isinstance(exc, ContextOverflowError):
         return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, StrategyUnavailableError):
+        return ApiError(400, str(exc), param="aerie.strategy")
     return ApiError(500, str(exc) or type(exc).__name__, type="server_error")
 
 
@@ -74,7 +77,8 @@ async def reply_events(service: Any, req: CompletionRequest, cancel: threading.E
 
     def produce() -> None:
         try:
-            for event in service.reply(list(req.messages), req.system_prompt, req.sampling, req.stop, cancel):
+            for event in service.reply(list(req.messages), req.system_prompt, req.sampling, req.stop, cancel,
+                                       strategy=req.strategy):
                 loop.call_soon_threadsafe(queue.put_nowait, event)
         except Exception as exc:  # noqa: BLE001 - handed to the request, which reports it
             loop.call_soon_threadsafe(queue.put_nowait, exc)

@@ -2,6 +2,10 @@
 
 Every field Aerie cannot honour is refused with a 400 that names it, rather than ignored: a client
 that asks for two choices, tools or log-probabilities must not get an answer without them.
+
+Aerie's one extension is an "aerie" object. `"aerie": {"strategy": "plain"}` decodes this answer
+with that drafter (plain, prompt_lookup or eagle) instead of the tuner's choice, as the page's A/B
+run does: the tuner does not count it as a turn. `launch.py bench --serve` times each strategy so.
 """
 
 import math
@@ -18,6 +22,7 @@ SEED_LIMIT = 2**63         # the engine's generator takes a signed 64-bit seed
 NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None, "tools": None, "tool_choice": None,
            "functions": None, "function_call": None, "frequency_penalty": 0, "presence_penalty": 0,
            "logit_bias": None}
+STRATEGIES = ("plain", "prompt_lookup", "eagle")  # the drafters a request may ask for by name
 
 
 class ApiError(Exception):
@@ -40,6 +45,7 @@ class CompletionRequest:
     stop: tuple[str, ...]
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
+    strategy: str | None = None  # aerie.strategy: this answer's drafter; None = the tuner's choice
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -128,6 +134,22 @@ def parse_stop(body: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(s for s in stops if s))
 
 
+def parse_extension(body: dict) -> str | None:
+    """The "aerie" object's strategy; None when it is absent (the tuner chooses)."""
+    extension = body.get("aerie")
+    if extension is None:
+        return None
+    if not isinstance(extension, dict):
+        raise bad("aerie", "'aerie' must be an object, like {\"strategy\": \"plain\"}.")
+    unknown = sorted(set(extension) - {"strategy"})
+    if unknown:
+        raise bad(f"aerie.{unknown[0]}", f"'aerie.{unknown[0]}' is not an Aerie option; it takes only 'strategy'.")
+    strategy = extension.get("strategy")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise bad("aerie.strategy", f"'aerie.strategy' must be one of {', '.join(STRATEGIES)}, got {strategy!r}.")
+    return strategy
+
+
 def refuse_unsupported(body: dict) -> None:
     for name, neutral in NEUTRAL.items():
         value = body.get(name)
@@ -151,4 +173,5 @@ def parse_request(body: Any, defaults: SamplingConfig) -> CompletionRequest:
     if not isinstance(options, dict):
         raise bad("stream_options", "'stream_options' must be an object.")
     return CompletionRequest(messages=turns, system_prompt=system, sampling=parse_sampling(body, defaults),
-                             stop=parse_stop(body), stream=bool(stream), include_usage=bool(options.get("include_usage")))
+                             stop=parse_stop(body), stream=bool(stream), include_usage=bool(options.get("include_usage")),
+                             strategy=parse_extension(body))

@@ -3,7 +3,9 @@
 Strategies: plain (ours), hf_generate (transformers greedy), hf_prompt_lookup (transformers
 assisted generation with prompt_lookup_num_tokens), prompt_lookup (ours), and with a head eagle
 (the tuner's shape, re-planned per prompt) plus any fixed shapes asked for (eagle_d{depth}k{top_k}n{total}). Prints a per-category table, then one JSON line. Compare ratios from one run only: the
-machines are shared and absolute times drift between runs.
+machines are shared and absolute times drift between runs. With --serve, plain, prompt_lookup and
+eagle also answer each prompt through a live server's API (core/served.py): a `served` entry per
+strategy and a row under the table give its wall-clock tok/s and its ratio to the bench's.
 """
 
 import json
@@ -20,6 +22,7 @@ from core.chat import render_prompt
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.factory import EngineSpec, load_tuned, make_drafter, target_load_spec
+from core.served import SERVED, ServedClient, ServedTally
 from core.tuner import Tuner
 from models.quants import CPU_QUANTS
 from models.target import Target, load_target
@@ -63,6 +66,7 @@ class StrategyResult:
     outputs: list[list[int]] = field(default_factory=list)
     ties: list[set[int]] = field(default_factory=list)   # per prompt: offsets of near-tie choices
     peak_mem_mb: float = 0.0
+    served: ServedTally | None = None   # the same prompts through a live server (--serve)
 
     @property
     def total(self) -> Tally:
@@ -82,15 +86,13 @@ def load_prompts(path: Path, limit: int | None) -> list[Prompt]:
     return ordered[:limit] if limit else ordered
 
 
-def prompt_ids(target: Target, prompt: Prompt, context: int) -> list[int]:
-    """The chat-templated prompt, padded with filler text to about `context` tokens if asked."""
-    text = prompt.text
-    ids = render_prompt(target.tokenizer, [{"role": "user", "content": text}])
-    if context > len(ids):
-        per = len(target.tokenizer.encode(FILLER, add_special_tokens=False))
-        text = FILLER * ((context - len(ids)) // per) + text
-        ids = render_prompt(target.tokenizer, [{"role": "user", "content": text}])
-    return ids
+def prompt_text(target: Target, prompt: Prompt, context: int) -> str:
+    """The prompt, padded with filler text to about `context` tokens once chat-templated, if asked."""
+    length = len(render_prompt(target.tokenizer, [{"role": "user", "content": prompt.text}]))
+    if context <= length:
+        return prompt.text
+    per = len(target.tokenizer.encode(FILLER, add_special_tokens=False))
+    return FILLER * ((context - length) // per) + prompt.text
 
 
 def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None = None,
@@ -168,9 +170,12 @@ def measured(device: torch.device, run):
 
 
 def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int, context: int = 0,
-          strategies: tuple[str, ...] | None = None, fixed_trees: dict[str, TreeConfig] | None = None) -> dict:
+          strategies: tuple[str, ...] | None = None, fixed_trees: dict[str, TreeConfig] | None = None,
+          serve: ServedClient | None = None) -> dict:
     """`eagle` runs the tuned shape (re-planned per prompt, learning as it goes, as the app does);
-    `fixed_trees` adds EAGLE strategies with fixed shapes beside it (--trees, --compare-default-tree)."""
+    `fixed_trees` adds EAGLE strategies with fixed shapes beside it (--trees, --compare-default-tree).
+    With `serve`, each prompt of plain, prompt_lookup and eagle is also asked of that server, right
+    after the bench's own run of it (core/served.py)."""
     fixed_trees = fixed_trees or {}
     if fixed_trees and not spec.head:
         raise ValueError("Fixed EAGLE trees need a head (--head).")
@@ -201,9 +206,12 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
             return run_hf(stock, ids, max_new, lookup=name == "hf_prompt_lookup")
         return run_engine(engines[name], ids, max_new, tuner if name == "eagle" else None, ties)
 
-    results = {name: StrategyResult() for name in names}
-    all_ids = [prompt_ids(target, p, context) for p in prompts]
+    results = {name: StrategyResult(served=ServedTally() if serve and name in SERVED else None) for name in names}
+    texts = [prompt_text(target, p, context) for p in prompts]
+    all_ids = [render_prompt(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
     run_engine(engines["plain"], all_ids[0], 8)  # warm-up: first-call allocations
+    if serve:
+        serve.answer(texts[0], 8, "plain")  # the server's too
     for i, (prompt, ids) in enumerate(zip(prompts, all_ids)):
         for name in names:  # interleaved, so drift on a shared machine hits every strategy alike
             ties: set[int] = set()
@@ -218,6 +226,9 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
                 tally.tie_divergences = int(tied)
             res.by_category[prompt.category].add(tally)
             res.peak_mem_mb = max(res.peak_mem_mb, peak)
+            if res.served is not None:
+                answer = serve.answer(texts[i], max_new, SERVED[name])
+                res.served.add(answer, answer.text == target.tokenizer.decode(out, skip_special_tokens=True))
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
     report = summarise(target, engines, prompts, results, context)
@@ -259,6 +270,8 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
                              {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens})
             if t.trees:
                 entry["trees_used"] = dict(t.trees.most_common())  # prompts per shape the tuner chose
+        if res.served is not None:
+            entry["served"] = res.served.entry(t.tokens / t.seconds)
         out["strategies"][name] = entry
     return out
 
@@ -276,3 +289,7 @@ def print_table(results: dict[str, StrategyResult]) -> None:
             acc = f"{t.tokens / t.rounds:.2f}" if t.rounds else "  - "
             row += f"{t.tokens / t.seconds:>10.1f} {acc:>5} {(t.tokens / t.seconds) / (p.tokens / p.seconds):>5.2f}"
         print(row)
+    if any(res.served for res in results.values()):  # wall-clock tok/s through the API, and x the bench's
+        print(f"{'served':<12}" + "".join(
+            f"{res.served.tok_s:>10.1f} {'':>5} {res.served.tok_s * res.total.seconds / res.total.tokens:>5.2f}"
+            if res.served else f"{'':>22}" for res in results.values()) + "   (tok/s, x bench)")

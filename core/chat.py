@@ -11,7 +11,7 @@ from typing import Callable, Iterator, NoReturn, Sequence
 
 from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig, Spans
 from core.drafters import PlainDrafter
-from core.errors import AerieError, ContextOverflowError, ModelLoadError
+from core.errors import AerieError, ContextOverflowError, ModelLoadError, StrategyUnavailableError
 from core.monitor import Snapshot, snapshot
 from core.probe import Probe
 from core.switching import SwitchReport, fetch, process_bytes, release
@@ -276,7 +276,7 @@ class ChatService:
         drafters = dict(self.tuner.drafters) if self.tuner else {"plain": PlainDrafter()}
         drafters.setdefault(self.engine.drafter.name, self.engine.drafter)
         if strategy not in drafters:
-            raise AerieError(f"This model cannot decode with '{strategy}'; it has {', '.join(drafters)}.")
+            raise StrategyUnavailableError(f"This model cannot decode with '{strategy}'; it has {', '.join(drafters)}.")
         return drafters[strategy]
 
     def monitor(self) -> Snapshot:

@@ -8,3 +8,7 @@ from models.errors import (  # noqa: F401
     OutOfMemoryError,
     UnsupportedModelError,
 )
+
+
+class StrategyUnavailableError(AerieError):
+    """An answer asked for a drafter the loaded model does not have (EAGLE without a head)."""

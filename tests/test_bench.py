@@ -46,6 +46,48 @@ def test_bench_tunes_the_eagle_shape(tiny_dir, cache_dir):
     assert report["profile"]["plain_ms"] > 0
 
 
+@pytest.fixture
+def tiny_server(tiny_dir, tmp_path):
+    """The tiny model with a random head served as launch.py serves it: the page's server with the API routes."""
+    import gradio as gr
+
+    from app.api import api_routes
+    from core.chat import ChatService
+    from tests.conftest import load_tuned_tiny
+    from tests.test_api import free_port
+
+    loaded = load_tuned_tiny(tiny_dir, tmp_path)
+    service = ChatService(loaded.engine, tuner=loaded.tuner)
+    with gr.Blocks() as demo:
+        gr.Markdown("Aerie")
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                app_kwargs={"routes": api_routes(service)})
+    yield service, f"http://127.0.0.1:{port}"
+    demo.close()
+
+
+def test_bench_serve_asks_a_live_server_for_the_same_answers(tiny_dir, cache_dir, tiny_server, capsys):
+    from core.served import ServedClient
+
+    service, url = tiny_server
+    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random", compile=False)
+    report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=2, max_new=8,
+                   strategies=("eagle", "prompt_lookup", "hf_generate"), serve=ServedClient(url))
+    s = report["strategies"]
+    assert "served" not in s["hf_generate"]  # transformers' own generate is not what the server runs
+    for name in ("plain", "prompt_lookup", "eagle"):
+        served = s[name]["served"]
+        assert served["same_text"] == "2/2", name  # greedy: the server's answers are the bench's
+        assert served["tok_s"] > 0 and served["vs_bench"] == pytest.approx(served["tok_s"] / s[name]["tok_s"], rel=0.01)
+        assert served["server_tok_s"] >= served["tok_s"]  # the server's own clock runs inside the wall clock
+    assert s["plain"]["served"]["strategies_used"] == {"plain": 2}  # asked for by name (aerie.strategy)
+    assert s["prompt_lookup"]["served"]["strategies_used"] == {"prompt_lookup": 2}
+    assert s["eagle"]["served"]["strategies_used"] == {"eagle": 2}  # the server's tuner chose
+    assert len(service.tuner.turns) == 2  # only the tuned answers counted as its turns
+    assert "served" in capsys.readouterr().out.split("category")[-1]  # the table's row
+
+
 def test_parse_trees():
     from core.bench import parse_trees
     assert parse_trees("0,4,5 2,3,8") == {"eagle_d0k4n5": TreeConfig(0, 4, 5), "eagle_d2k3n8": TreeConfig(2, 3, 8)}

@@ -95,3 +95,17 @@ def test_api_key_is_required_beyond_this_machine():
     for host, given in (("0.0.0.0", None), ("192.168.1.5", None), ("127.0.0.1", "  ")):
         with pytest.raises(ValueError, match="--api-key KEY or (the )?AERIE_API_KEY"):
             launch.api_key(host, given, {})
+
+
+def test_bench_serve_starts_a_local_server_on_the_benchs_model():
+    launch = load_launcher()
+    args = launch.parse_args(["--model", "org/m", "--quant", "int8", "--top-k", "2", "--no-compile", "--serve",
+                              "--cache-dir", "/c"], bench=True)
+    command = launch.server_command(args)
+    assert command[1:5] == [str(ROOT / "launch.py"), "--no-browser", "--host", "127.0.0.1"]
+    flags = command[5:]
+    pairs = dict(zip(flags[:-1:2], flags[1::2]))
+    assert {k: pairs[k] for k in ("--model", "--quant", "--top-k", "--cache-dir")} == {
+        "--model": "org/m", "--quant": "int8", "--top-k": "2", "--cache-dir": "/c"}
+    assert flags[-1] == "--no-compile" and "--depth" not in flags and "--static-tree" not in flags
+    assert launch.parse_args(["--no-browser", *flags]).quant == "int8"  # the app's parser takes every flag

@@ -31,9 +31,9 @@ class FakeService:
         self.calls = []
         self.finish = None
 
-    def reply(self, messages, system_prompt, sampling, stop_strings, cancel):
-        self.calls.append(SimpleNamespace(messages=messages, system_prompt=system_prompt,
-                                          sampling=sampling, stop_strings=stop_strings, cancel=cancel))
+    def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None):
+        self.calls.append(SimpleNamespace(messages=messages, system_prompt=system_prompt, sampling=sampling,
+                                          stop_strings=stop_strings, cancel=cancel, strategy=strategy))
         for i, word in enumerate(self.words):
             if i == self.fail_at:
                 raise self.error

@@ -1,0 +1,135 @@
+"""`launch.py bench --serve`: the bench's prompts through a live Aerie server's OpenAI API, so the
+gap between the engine's speed and a served answer's is measured on every bench run.
+
+Each answer is asked for greedily with the bench's token budget and streamed, as a client reads
+it; its speed is wall clock, from sending the request to the stream's end, against the server's
+own count of the tokens. The bench's `eagle` is the tuner's shape, so the served one is left to
+the server's tuner; plain and prompt lookup are asked for by name (Aerie's "aerie" request field,
+app/api_request.py). Answers must be the bench's text: the same greedy decoding, served.
+"""
+
+import json
+import queue
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+
+from core.errors import AerieError
+
+# bench strategy -> the "aerie.strategy" to ask for; None: the server's tuner chooses
+SERVED = {"plain": "plain", "prompt_lookup": "prompt_lookup", "eagle": None}
+READY = "Aerie: ready at "  # launch.py's line once it serves
+
+
+@dataclass(frozen=True)
+class ServedAnswer:
+    text: str
+    tokens: int          # the server's usage.completion_tokens
+    seconds: float       # wall clock: request sent to the stream's [DONE]
+    server_s: float      # the server's own time for the answer (aerie.elapsed_s: prompt to last token)
+    strategy: str        # the drafter the server decoded with
+
+
+@dataclass
+class ServedTally:
+    """One strategy's served answers, summed."""
+    tokens: int = 0
+    seconds: float = 0.0
+    server_s: float = 0.0
+    answers: int = 0
+    same_text: int = 0   # answers whose text is the bench's for the same prompt
+    strategies: Counter = field(default_factory=Counter)
+
+    def add(self, answer: ServedAnswer, same: bool) -> None:
+        self.tokens, self.seconds = self.tokens + answer.tokens, self.seconds + answer.seconds
+        self.server_s, self.answers = self.server_s + answer.server_s, self.answers + 1
+        self.same_text += int(same)
+        self.strategies[answer.strategy] += 1
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def entry(self, bench_tok_s: float) -> dict:
+        """The JSON line's `served`: wall-clock tok/s and its ratio to the bench's; the server's
+        own tok/s tells time inside the service from time in the stream and the client."""
+        return {"tok_s": round(self.tok_s, 2), "vs_bench": round(self.tok_s / bench_tok_s, 3) if bench_tok_s else None,
+                "server_tok_s": round(self.tokens / self.server_s, 2) if self.server_s > 0 else None,
+                "same_text": f"{self.same_text}/{self.answers}", "strategies_used": dict(self.strategies)}
+
+
+class ServedClient:
+    """Asks a running Aerie server at `base_url` (http://host:port) for answers."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        self.url, self.api_key, self.timeout_s = base_url.rstrip("/") + "/v1/chat/completions", api_key, timeout_s
+
+    def answer(self, text: str, max_new: int, strategy: str | None) -> ServedAnswer:
+        body = {"model": "aerie", "messages": [{"role": "user", "content": text}], "temperature": 0,
+                "max_tokens": max_new, "stream": True, "stream_options": {"include_usage": True},
+                **({"aerie": {"strategy": strategy}} if strategy else {})}
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
+        request = urllib.request.Request(self.url, json.dumps(body).encode(), headers)
+        pieces, usage, stats = [], None, None
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                for event in sse_events(response):
+                    if "error" in event:
+                        raise AerieError(f"The server at {self.url} failed mid-answer: {event['error']['message']}")
+                    pieces += [c["delta"].get("content") or "" for c in event["choices"]]
+                    usage, stats = event.get("usage") or usage, event.get("aerie") or stats
+        except urllib.error.HTTPError as e:
+            raise AerieError(f"The server at {self.url} answered {e.code}: {e.read().decode(errors='replace')}") from e
+        seconds = time.perf_counter() - t0
+        if usage is None or stats is None:
+            raise AerieError(f"The server at {self.url} ended a stream without its usage or statistics.")
+        return ServedAnswer("".join(pieces), usage["completion_tokens"], seconds, stats["elapsed_s"], stats["strategy"])
+
+
+def sse_events(lines):
+    """The JSON data of each server-sent event until [DONE]."""
+    for raw in lines:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield json.loads(line[len("data: "):])
+
+
+class Server:
+    """A `launch.py --no-browser` subprocess, from its start until it prints READY; then its
+    output is drained (kept for an error message) so a full pipe never stalls it."""
+
+    def __init__(self, command: list[str], timeout_s: float = 900.0, echo=print):
+        self.process = subprocess.Popen(command, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: queue.SimpleQueue = queue.SimpleQueue()
+        self.tail: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
+        self.url = self._wait(timeout_s, echo)
+
+    def _wait(self, timeout_s: float, echo) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            self.tail = (self.tail + [line])[-40:]
+            echo(f"  server: {line.rstrip()}")
+            if line.startswith(READY):
+                return line[len(READY):].split()[0]
+        self.stop()
+        raise AerieError("The Aerie server did not start:\n" + "".join(self.tail))
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
