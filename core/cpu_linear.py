@@ -10,22 +10,8 @@ import time
 
 import torch
 
+from models.cpu_quant import OneDnnLinear
 from models.target import Target
-
-class OneDnnLinear(torch.nn.Module):
-    """nn.Linear through oneDNN with a weight prepacked once (the op torch's inductor uses on CPU).
-    torch's default fp32 GEMM (MKL) runs AVX2 code on AMD CPUs; oneDNN uses AVX-512 where there is
-    one: 2.5x on SmolLM2's MLP at 64 rows here. Same fp32 maths; only the summation order differs."""
-
-    def __init__(self, linear: torch.nn.Linear, rows: int, keep_weight: bool = False):
-        super().__init__()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-        if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice); costs a copy
-            self.weight = linear.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def onednn_is_faster(model, rows: int) -> bool:

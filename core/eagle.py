@@ -23,7 +23,7 @@ import torch
 from core.budget import PLANNED_CONTEXT
 from core.config import TreeConfig
 from core.head_step import HeadStep
-from core.tree import DraftTree, expand_frontier, make_tree, rerank, static_shape
+from core.tree import DraftTree, chain_tree, expand_frontier, make_tree, rerank, static_shape
 from models.cpu_quant import quantize_cpu, quantized
 from models.errors import UnsupportedModelError
 
@@ -116,11 +116,17 @@ class EagleDrafter:
         return out[-1], logp[0]
 
     def grow(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
-        """EAGLE-2's expand-then-rerank from the root's head output and its log-probs."""
-        top_k, device = self.tree.top_k, root_out.device
+        """EAGLE-2's dynamic tree from the root's head output and its log-probs (a chain for top_k 1)."""
         # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
         # each rank, including ranks this round's tree left out (path_offers).
         self.root_ranking = self.to_target_ids(root_logp.topk(min(RANKED, root_logp.shape[-1])).indices)  # (R,)
+        if self.tree.top_k == 1:
+            return self.grow_chain(root, root_out, root_logp)
+        return self.grow_tree(root, root_out, root_logp)
+
+    def grow_tree(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
+        """EAGLE-2's expand-then-rerank."""
+        top_k, device = self.tree.top_k, root_out.device
         step = expand_frontier(torch.zeros(1, device=device), root_logp[None], top_k)
         pool_scores, pool_parents = [step.scores], [torch.full((top_k,), -1, device=device)]
         pool_tokens = [self.to_target_ids(step.tokens)]
@@ -141,6 +147,20 @@ class EagleDrafter:
             frontier_pool = base + step.frontier
         return rerank(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens), root,
                       self.tree.total_tokens)
+
+    def grow_chain(self, root: int, out: torch.Tensor, logp: torch.Tensor) -> DraftTree:
+        """EAGLE-2 with top_k 1: each level's best child. Scores only fall along a chain, so the
+        rerank would keep its first total_tokens - 1 nodes in order: feed no more levels than those,
+        and skip the rerank (0.3 ms of a 2.7 ms chain draft on a 2-core CPU)."""
+        length = min(self.tree.depth + 1, self.tree.total_tokens - 1)
+        tokens = []
+        for level in range(length):
+            tokens.append(self.to_target_ids(logp.argmax(-1, keepdim=True)))                 # (1,) target id
+            if level + 1 < length:
+                ancestors = torch.ones(1, level + 1, dtype=torch.bool, device=out.device)    # its whole path
+                outs, logps = self.feed_frontier(tokens[-1], out[None], ancestors, level)   # (1, H), (1, Vd)
+                out, logp = outs[0], logps[0]
+        return chain_tree(root, torch.cat(tokens).tolist())
 
     def grow_static(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
         """EAGLE-1's fixed tree: node i is the rank[i]-th most likely child of its parent. The head

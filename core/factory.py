@@ -15,10 +15,12 @@ from core.cpu_linear import accelerate_cpu
 from core.drafters import PlainDrafter, PromptLookupDrafter
 from core.eagle import EagleDrafter
 from core.engine import Engine
-from core.runner import RunnerConfig, TargetRunner
+from core.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
+from core.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
+                          machine_key, time_draft_steps, twin_fits)
 from core.probe import Probe, load_nvml
-from core.profile import LARGE_SIZES, SIZES, cached_profile, measure_profile, profile_key
+from core.profile import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
 from core.tuner import Acceptance, Pins, Tuner, prior_table
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
 from models.head_config import head_config_for_target
@@ -62,6 +64,7 @@ class Loaded:
     onednn: bool                  # CPU linears run through oneDNN
     profile_cached: bool          # the latency profile came from the cache (no measuring at start)
     compile_s: float = 0.0        # compiling (or loading the compiled) verify graphs at start
+    kernels: KernelChoice | None = None   # a CPU target on small weights: what each part runs on
 
 
 def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Loaded:
@@ -69,35 +72,66 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     every drafter the ladder may switch to. `report` gets a line per compile step."""
     target, onednn, placement = load_fast_target(spec, probe)
     strategy = resolved_strategy(spec)
+    kernels = cpu_kernels(target, spec, strategy, report) if target.quant in CPU_QUANTS else None
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter()}
     if strategy == "eagle":
-        drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"))
-    # oneDNN's prepacked fp32 linears do not lower into inductor's graphs, and compiled through MKL
-    # instead the fp32 model ran slower than eager oneDNN (25 vs 42 tokens/s here): stay eager.
-    runner = TargetRunner(target, RunnerConfig(compile=spec.compile and not onednn),
+        drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), kernels.head if kernels else "int8")
+    # oneDNN's prepacked fp32 linears compiled through MKL instead ran slower than eager oneDNN (25 vs
+    # 42 tokens/s here): an fp32 CPU model stays eager.
+    runner = TargetRunner(target, RunnerConfig(compile=spec.compile and not onednn, buckets=cpu_buckets(kernels)),
                           drafters["eagle"].feature_layers if "eagle" in drafters else None)
     compile_s = runner.warm_up(lambda line: report(f"Aerie: {line}"))
-    # The head's step is compiled on a GPU, where eager drafting pays the host's dispatch per kernel.
-    # On this 2-core CPU a compiled step drafts d1k2n4 in 1.85 ms instead of 2.5 (24 MT-bench prompts),
-    # EAGLE 1.12x plain instead of 1.11x, but costs 15 s at every start (34 s the first): a CPU drafts eagerly.
-    if "eagle" in drafters and runner.compiled and target.device.type == "cuda":
+    # A compiled head step replays its ~30 small kernels without the host's dispatch per kernel: on
+    # a GPU an eager d2k10n64 draft took 72 ms; on a 2-core CPU a step at 4 rows 1.14 -> 0.79 ms.
+    if "eagle" in drafters and runner.compiled:
         report("Aerie: compiling the draft head's step")
         t0 = time.perf_counter()
         drafters["eagle"].warm_up(lambda line: report(f"Aerie: {line}"))
         compile_s += time.perf_counter() - t0
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
     offloaded = placement is not None and placement.offload
-    kernels = ("onednn" if onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
+    used = ("onednn" if onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
     if "eagle" in drafters and drafters["eagle"].step.compiled:
-        kernels += f", head compiled {list(drafters['eagle'].step.buckets)}"
-    key = profile_key(engine, spec.head, kernels, offloaded)
+        used += f", head compiled {list(drafters['eagle'].step.buckets)}"
+    if kernels is not None:
+        used += f", {kernels.describe()}"
+    key = profile_key(engine, spec.head, used, offloaded)
     sizes = LARGE_SIZES if offloaded else SIZES
     profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes))
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
     max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)
     tuner = Tuner(profile, Acceptance(prior_table(alphas)), pins, drafters, max_size=max_size)
-    return Loaded(engine, tuner, placement, onednn, cached, compile_s)
+    return Loaded(engine, tuner, placement, onednn, cached, compile_s, kernels)
+
+
+def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -> KernelChoice:
+    """This machine's kernel choice for `target` (core/kernels.py), measured once and cached, and
+    the target's int4 layers set up for it."""
+    key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
+           "head": head_identity(spec.head) if strategy == "eagle" else None}
+
+    def measure() -> KernelChoice:
+        report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
+        wide_from, verify_ms = (choose_wide_from(target) if target.quant == "int4"
+                                and twin_fits(target, psutil.virtual_memory().available) else (None, {}))
+        head, head_ms = "int8", {}
+        if strategy == "eagle":
+            width = len(make_drafter(target, spec).feature_layers) * target.model.config.get_text_config().hidden_size
+            head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant).step, width))
+        return KernelChoice(wide_from, head, verify_ms, head_ms)
+
+    choice, _ = cached_choice(spec.cache_dir, key, measure)
+    apply_wide(target, choice.wide_from)
+    return choice
+
+
+def cpu_buckets(kernels: KernelChoice | None) -> tuple[int, ...] | None:
+    """A CPU's verify sizes: beyond 8 tokens only where a kernel keeps big trees cheap (the fp32
+    twin); None on other devices (the runner's own)."""
+    if kernels is None:
+        return None
+    return CPU_BUCKETS + (tuple(n for n in WIDE_ROWS if n > CPU_BUCKETS[-1]) if kernels.wide_from else ())
 
 
 def tree_budget(target: Target, pins: Pins, sizes: tuple[int, ...], reserve: int, probe: Probe | None) -> int:
@@ -152,7 +186,7 @@ def gpu_free(device: torch.device, probe: Probe | None) -> int:
     return gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
 
 
-def make_drafter(target: Target, spec: EngineSpec):
+def make_drafter(target: Target, spec: EngineSpec, head_weights: str = "int8"):
     strategy = resolved_strategy(spec)
     if strategy == "plain":
         return PlainDrafter()
@@ -164,8 +198,8 @@ def make_drafter(target: Target, spec: EngineSpec):
     draft_vocab = None if spec.head == "random" else load_draft_vocab(spec.head, target.model.config.get_text_config().vocab_size)
     tree = spec.tree or default_tree(target.device)
     drafter = EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, tree, draft_vocab)
-    if target.quant in CPU_QUANTS:  # a CPU target on small weights: its drafter too
-        drafter.shrink("int8")
+    if target.quant in CPU_QUANTS:  # a CPU target on small weights: its drafter too (int8 or bf16)
+        drafter.shrink(head_weights)
     return drafter
 
 

@@ -9,6 +9,14 @@ int4 is asymmetric per group of 32 inputs: w = d * q + m with q in [0, 15], d = 
 m = min. That is llama.cpp's Q4_1 rule, so re-quantizing the embedded model (a Q4_1 GGUF
 dequantized to fp32) recovers its blocks exactly; only d and the kernel's zero point m + 8d are
 rounded to bf16 (relative error up to 2^-8). Other models get ordinary Q4_1-style 4-bit weights.
+
+Trees of many rows: torch's int4 kernel dequantizes every weight tile again for each block of 4
+rows, so its cost grows with the rows (a 576x1536 linear, 2-core AMD EPYC: 0.028 ms at 1 row,
+0.68 at 64). `Int4Linear.widen` gives a layer a twin for calls of many rows: the very same weight
+values, (q - 8) * scale + zero in fp32 as the kernel computes them (exact: a 4-bit code times a
+bf16 scale fits fp32's mantissa, so the one rounding of the sum is the kernel's fused one), on
+oneDNN's fp32 GEMM (0.52 ms at 64 rows there), its output rounded to bf16 as the kernel's is. Only
+the order of the fp32 sums differs. It costs 4 bytes per weight, so it is only built on request.
 """
 
 import torch
@@ -17,6 +25,18 @@ from torch import nn
 from models.quants import CPU_QUANTS
 
 GROUP = 32
+
+
+@torch.library.custom_op("aerie::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (M, K) @ W^T with W prepacked by `torch.ops.mkldnn._reorder_linear_weight`. An opaque op:
+    inductor lowers oneDNN's own linear only for weights frozen into the graph as constants."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, packed, out_features):
+    return x.new_empty(x.shape[0], out_features)
 
 
 class Int4Linear(nn.Module):
@@ -35,13 +55,61 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", torch.stack([d, low + 8 * d], -1).transpose(0, 1).contiguous().bfloat16())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.in_features, self.out_features = k, n
+        self.wide_from: int | None = None                          # rows from which `wide` computes
+        self.register_buffer("wide", None)                          # the same weights, fp32, packed for oneDNN
         if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice)
             self.weight = linear.weight
 
+    def dequantized(self) -> torch.Tensor:
+        """(N, K) fp32: the weight values the kernel computes with. The codes come back exactly
+        through the kernel itself: with scale 1 and zero 8 it computes (q - 8) + 8 = q, and an
+        identity input reads them out (integers up to 15 are exact in bf16)."""
+        k, n = self.in_features, self.out_features
+        groups = self.scale_zero.shape[0]
+        unit = torch.stack([torch.ones(groups, n), torch.full((groups, n), 8.0)], -1).bfloat16()
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), self.packed, GROUP, unit)
+        scale, zero = (self.scale_zero[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))  # (N, K)
+        return (codes.float().t() - 8) * scale + zero
+
+    def widen(self, from_rows: int, pack_rows: int = 32) -> None:
+        """Compute calls of `from_rows` rows or more on oneDNN's fp32 GEMM over `dequantized()`."""
+        self.wide = torch.ops.mkldnn._reorder_linear_weight(self.dequantized(), pack_rows)
+        self.wide_from = from_rows
+
+    def narrow(self) -> None:
+        """Back to the int4 kernel at every row count, freeing the twin."""
+        self.wide, self.wide_from = None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)     # (M, K)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
+        # A compiled graph has fixed rows, so each bucket's graph holds one of the two kernels.
+        if self.wide_from is not None and rows.shape[0] >= self.wide_from:
+            y = onednn_linear(rows.float(), self.wide, self.out_features).to(torch.bfloat16)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class OneDnnLinear(nn.Module):
+    """nn.Linear through oneDNN with its weight prepacked once, in `dtype` (the op inductor itself
+    uses on CPU). torch's default fp32 GEMM (MKL) runs AVX2 code on AMD CPUs; oneDNN uses AVX-512
+    where there is one (2.5x on SmolLM2's MLP at 64 rows), and bf16 dot products where the CPU has
+    them (AVX512-BF16, AMX). fp32 keeps the maths (only the summation order differs); bf16 rounds
+    the weights, for drafting only. Through `onednn_linear`, it compiles too."""
+
+    def __init__(self, linear: nn.Linear, rows: int, keep_weight: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.out_features, self.in_features = weight.shape
+        if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice); costs a copy
+            self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(self.packed.dtype)                       # (M, K)
+        y = onednn_linear(rows, self.packed, self.out_features).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -67,9 +135,12 @@ class Int8Linear(nn.Module):
 
 
 def quantized(linear: nn.Linear, quant: str, keep_weight: bool = False) -> nn.Module:
-    """`linear` as an Int4Linear or Int8Linear (`quant` one of CPU_QUANTS)."""
+    """`linear` as an Int4Linear or Int8Linear (`quant` one of CPU_QUANTS), or for "bf16" a
+    OneDnnLinear holding bf16 weights."""
+    if quant == "bf16":
+        return OneDnnLinear(linear, rows=4, keep_weight=keep_weight, dtype=torch.bfloat16)
     if quant not in CPU_QUANTS:
-        raise ValueError(f"CPU weights are one of {CPU_QUANTS}, not {quant!r}")
+        raise ValueError(f"CPU weights are one of {CPU_QUANTS} or bf16, not {quant!r}")
     return (Int4Linear if quant == "int4" else Int8Linear)(linear, keep_weight=keep_weight)
 
 
@@ -77,13 +148,13 @@ def quantize_cpu(model: nn.Module, quant: str) -> None:
     """Swap every nn.Linear in `model` (a causal LM's LM head included) for its int4 / int8 version,
     in place. The LM head keeps `.weight`: EAGLE heads and drafters read it (tied to the embedding,
     so no extra memory for models that tie them)."""
-    if quant not in CPU_QUANTS:
-        raise ValueError(f"CPU weights are one of {CPU_QUANTS}, not {quant!r}")
+    if quant not in (*CPU_QUANTS, "bf16"):
+        raise ValueError(f"CPU weights are one of {CPU_QUANTS} or bf16, not {quant!r}")
     get_lm_head = getattr(model, "get_output_embeddings", None)
     lm_head = get_lm_head() if get_lm_head is not None else None
     for module in list(model.modules()):
         for name, child in module.named_children():
             # The int4 kernel packs groups of 32 inputs and tiles of 16 outputs; any other shape stays fp32.
-            if isinstance(child, nn.Linear) and (quant == "int8" or (child.in_features % GROUP == 0
+            if isinstance(child, nn.Linear) and (quant != "int4" or (child.in_features % GROUP == 0
                                                                      and child.out_features % 16 == 0)):
                 setattr(module, name, quantized(child, quant, keep_weight=child is lm_head))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.cpu_linear import OneDnnLinear, accelerate_cpu
+from core.cpu_linear import accelerate_cpu
+from models.cpu_quant import OneDnnLinear
 from core.eagle import EagleDrafter
 from core.engine import Engine
 from tests.conftest import tiny_llama, tiny_target

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.bench import load_prompts, prompt_ids
+from core.bench import load_prompts
+from core.chat import render_prompt
 from core.config import SamplingConfig
 from core.factory import EngineSpec, load_tuned
-from models.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_cpu
+from models.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_cpu, quantized
 from tests.conftest import ROOT_ASSETS, tiny_llama
 
 HEAD = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct"
@@ -36,6 +37,34 @@ def test_int4_linear_is_the_matrix_it_encodes():
     assert ((w - dense.weight).reshape(-1, GROUP).abs().amax(-1) <= step / 2 * 1.02 + 1e-3).all()
     # bf16 activations: the product agrees with the encoded matrix to bf16 precision.
     torch.testing.assert_close(q(x), x @ w.T + dense.bias, atol=0.05, rtol=0.02)
+
+
+def test_int4_twin_holds_the_kernels_own_weight_values():
+    """The fp32 twin of an int4 layer is the matrix the kernel computes with, exactly (read through
+    the kernel, bf16-rounded, they agree bit for bit), so a wide call differs from the kernel's only
+    by the order of its fp32 sums: at most one bf16 step, on a sliver of the outputs."""
+    dense = torch.nn.Linear(192, 96, bias=False)
+    q = Int4Linear(dense)
+    assert torch.equal(q.dequantized().bfloat16().float(), dequantized_int4(q, 96, 192))
+    x = torch.randn(64, 192)
+    narrow = q(x)
+    q.widen(from_rows=16)
+    assert torch.equal(q(x[:8]), narrow[:8])          # below from_rows: still the int4 kernel
+    wide = q(x)
+    ulp = narrow.abs().clamp(min=1e-3) * 2 ** -7
+    assert ((wide - narrow).abs() <= ulp).all()
+    assert (wide != narrow).float().mean() < 0.01
+    q.narrow()
+    assert q.wide is None and torch.equal(q(x), narrow)
+
+
+def test_onednn_bf16_linear_rounds_only_the_weights():
+    dense = torch.nn.Linear(64, 96, bias=False)
+    q = quantized(dense, "bf16", keep_weight=True)
+    x = torch.randn(4, 64)
+    expected = x.bfloat16().float() @ dense.weight.bfloat16().float().T
+    torch.testing.assert_close(q(x), expected, atol=0.03, rtol=0.01)  # fp32 sums, one bf16 output rounding
+    assert q.weight is dense.weight and q.packed.dtype == torch.bfloat16
 
 
 def test_int8_linear_is_the_matrix_it_encodes():
@@ -90,7 +119,7 @@ def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_
     greedy = SamplingConfig(max_new_tokens=64)
     ties_seen = exact = 0
     for prompt in load_prompts(ROOT_ASSETS / "bench" / "mt_bench.jsonl", 20):
-        ids = prompt_ids(engine.target, prompt, 0)
+        ids = render_prompt(engine.target.tokenizer, [{"role": "user", "content": prompt.text}])
         outputs, ties = [], set()
         for name in ("plain", "eagle"):
             engine.set_drafter(tuner.drafters[name])

@@ -130,3 +130,19 @@ def test_the_shipped_head_is_lossless_and_accepts(embedded_target):
     steps = list(Engine(embedded_target, drafter).generate(prompt, SamplingConfig(max_new_tokens=40)))
     assert [t for s in steps for t in s.new_ids] == plain
     assert len(plain) / len(steps) > 1.2  # a trained head: well above one token per target forward
+
+
+@pytest.mark.parametrize("shape", [TreeConfig(0, 1, 2), TreeConfig(3, 1, 5), TreeConfig(4, 1, 3), TreeConfig(2, 1, 9)])
+def test_a_chain_is_the_tree_expand_and_rerank_would_draft(shape):
+    """top_k 1 takes the chain path (no rerank, no levels past total_tokens - 1): the same tree as
+    EAGLE-2's general expand-then-rerank, node for node."""
+    model = tiny_llama(seed=1, layers=2)
+    drafter = EagleDrafter(random_head(model, "eagle1", 3), model.config.num_hidden_layers, shape)
+    engine = Engine(tiny_target(model), drafter)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    fresh = engine.prefill(prompt)
+    out, logp = drafter.catch_up(fresh.features, prompt[1:] + [prompt[0]])
+    chain = drafter.grow_chain(prompt[0], out, logp)
+    tree = drafter.grow_tree(prompt[0], out, logp)
+    assert torch.equal(chain.tokens, tree.tokens) and torch.equal(chain.parents, tree.parents)
+    assert chain.size == min(shape.depth + 2, shape.total_tokens)

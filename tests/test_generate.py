@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.cpu_linear import OneDnnLinear, use_onednn_linears
+from core.cpu_linear import use_onednn_linears
+from models.cpu_quant import OneDnnLinear
 from core.distill import FRESH_START, FeatureShards, hf_generate, shuffled_prompts, write_answers
 from core.generate import PAD_SHARE, BatchGenerator, Capture, GenConfig, choose_batch, prefill_groups
 from core.row_cache import ROW_GROUPS, bands, use_row_group_attention

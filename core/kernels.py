@@ -1,0 +1,173 @@
+"""Which CPU kernel each part of a round runs on: measured on this machine, once, then cached.
+
+Two choices, each timed the way a chat runs it, never taken from a table:
+  - the target's linears for a tree of many rows: torch's int4 kernel, or from some row count on
+    the layer's exact fp32 twin on oneDNN (models/cpu_quant.py `Int4Linear.widen`: the same
+    weight values, so greedy output stays plain decoding's). Timed as whole eager verifies with
+    the weights cold, as in a round: a hot-cache microbenchmark flatters the twin, whose 4 bytes
+    per weight must come from memory (2-core AMD EPYC, AVX-512 and AVX512-BF16, no AMX: 0.52 vs
+    0.68 ms for one 576x1536 linear at 64 rows, but a 16-token verify 82 vs 50 ms in the model);
+  - the draft head's weights: int8 (torch's weight-only kernel) or bf16 on oneDNN (dot products in
+    hardware where the CPU has AVX512-BF16 or AMX, emulated where it has not). Drafts only: the
+    target verifies every token, so this changes speed and acceptance, never the output.
+"""
+
+import hashlib
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from core.runner import RunnerConfig, TargetRunner
+from core.tree import chain_tree
+from models.cpu_quant import Int4Linear
+from models.target import Target
+
+WIDE_ROWS = (8, 16, 32, 64)    # verify sizes where the fp32 twin may win; below them int4 always does
+WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
+REPEATS = 3
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    wide_from: int | None = None                     # verify rows from which linears run on the fp32 twin
+    head: str = "int8"                               # the draft head's CPU weights: int8 or bf16
+    verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies
+    head_ms: dict = field(default_factory=dict)      # head weights -> ms of a head step at 4 rows
+
+    def describe(self) -> str:
+        wide = f"int4, fp32 twin from {self.wide_from} rows" if self.wide_from else "int4 at every size"
+        return f"target {wide}; head {self.head}"
+
+
+def machine_key() -> dict:
+    """What a kernel's speed depends on: the CPU (model and instruction sets), torch, threads."""
+    return {"version": VERSION, "cpu": cpu_name(), "flags": cpu_flags_digest(), "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def cpu_name() -> str:
+    for line in read_cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    for line in read_cpuinfo().splitlines():
+        if line.startswith("flags"):
+            return sorted(line.partition(":")[2].split())
+    return []
+
+
+def cpu_flags_digest() -> str:
+    return hashlib.sha1(" ".join(cpu_flags()).encode()).hexdigest()[:12]
+
+
+def read_cpuinfo() -> str:
+    path = Path("/proc/cpuinfo")
+    return path.read_text() if path.is_file() else ""
+
+
+def cached_choice(cache_dir: Path, key: dict, measure) -> tuple[KernelChoice, bool]:
+    """The choice stored for `key`, or `measure()` stored now; -> (choice, whether it was cached)."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / "kernels" / f"{digest}.json"
+    if path.is_file():
+        try:
+            return KernelChoice(**json.loads(path.read_text())["choice"]), True
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            print(f"Aerie: re-measuring kernels: {path} is unreadable ({e}).", flush=True)
+    choice = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "choice": asdict(choice)}, indent=1))
+    tmp.replace(path)
+    return choice, False
+
+
+def int4_layers(target: Target) -> list[Int4Linear]:
+    return [m for m in target.model.modules() if isinstance(m, Int4Linear)]
+
+
+@torch.inference_mode()
+def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> tuple[int | None, dict]:
+    """Time eager verifies of `rows` tokens with every int4 layer on its kernel and on its fp32 twin,
+    interleaved (a burst of load lands on both alike), best of REPEATS; -> the smallest row count
+    from which the twin wins at every larger one (None: never), and the timings. Leaves every
+    layer on int4 and drops the twins."""
+    layers = int4_layers(target)
+    for layer in layers:
+        layer.widen(from_rows=1)
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=rows, context=256))
+    ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (128 + max(rows),),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    runner.prefill(ids[:128], 0)
+    best = {n: {"int4": float("inf"), "wide": float("inf")} for n in rows}
+    for rep in range(REPEATS + 1):                       # pass 0 warms up
+        for n in rows:
+            tree = chain_tree(ids[128], ids[129: 128 + n])
+            for kernel in ("int4", "wide"):
+                for layer in layers:
+                    layer.wide_from = 1 if kernel == "wide" else None
+                t0 = time.perf_counter()
+                runner.verify(tree.tokens, tree.depth, tree.ancestor_mask)
+                ms = 1000 * (time.perf_counter() - t0)
+                runner.truncate(128)
+                best[n][kernel] = min(best[n][kernel], ms) if rep else best[n][kernel]
+    for layer in layers:
+        layer.narrow()
+    wins = [n for n in rows if best[n]["wide"] < WIN * best[n]["int4"]]
+    # The twin must win from its first size on: a graph per bucket picks one kernel per size.
+    start = next((n for n in rows if all(m in wins for m in rows if m >= n)), None)
+    return start, {str(n): {k: round(v, 2) for k, v in best[n].items()} for n in rows}
+
+
+def twin_fits(target: Target, free_bytes: int) -> bool:
+    """Whether every int4 layer's fp32 twin (4 bytes per weight) fits in half the free RAM."""
+    return sum(4 * m.in_features * m.out_features for m in int4_layers(target)) < free_bytes // 2
+
+
+def apply_wide(target: Target, wide_from: int | None) -> None:
+    """Give every int4 layer its fp32 twin for calls of `wide_from` rows or more (None: none)."""
+    if wide_from is not None:
+        for layer in int4_layers(target):
+            layer.widen(from_rows=wide_from)
+
+
+@torch.inference_mode()
+def choose_head_weights(time_step) -> tuple[str, dict]:
+    """time_step(quant) -> ms of the drafter's head step with its weights in `quant`; -> the faster
+    of int8 and bf16 (bf16 only if it saves 10%: it doubles the head's bytes), and both timings."""
+    ms = {quant: round(time_step(quant), 3) for quant in ("int8", "bf16")}
+    return ("bf16" if ms["bf16"] < WIN * ms["int8"] else "int8"), ms
+
+
+EVICT_BYTES = 64 << 20   # more than any CPU's last-level cache here (32 MiB): a verify's weights do this
+
+
+@torch.inference_mode()
+def time_draft_steps(step, feature_width: int, rows: int = 4) -> float:
+    """ms of the head steps a draft starts with (a one-row catch-up, two frontier steps of `rows`)
+    with the head's weights cold, as after a target verify: a write of EVICT_BYTES first; best
+    of REPEATS after a warm-up."""
+    device, width = step.device, step.head.config.hidden_size
+    evict = torch.zeros(EVICT_BYTES // 4)
+    pair = torch.randn(1, feature_width, device=device)
+    outs, tokens = torch.randn(rows, width, device=device), torch.arange(rows, device=device)
+    positions, siblings = torch.full((rows,), 17, device=device), torch.eye(rows, dtype=torch.bool, device=device)
+
+    def once() -> float:
+        evict.add_(1.0)
+        t0 = time.perf_counter()
+        step.feed(pair, tokens[:1], positions[:1] - 1, siblings[:1, :1], 16)
+        for _ in range(2):
+            step.feed(outs, tokens, positions, siblings, 17)
+        return 1000 * (time.perf_counter() - t0)
+
+    once()
+    return min(once() for _ in range(REPEATS))

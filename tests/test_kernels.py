@@ -1,0 +1,111 @@
+"""The CPU kernel choice (core/kernels.py): an int4 target whose big trees run on the fp32 twin
+stays lossless, the chooser measures and leaves the layers as they were, and the choice is cached
+per machine."""
+
+import copy
+
+import torch
+
+from core.config import SamplingConfig, TreeConfig
+from core.eagle import EagleDrafter
+from core.engine import Engine
+from core.factory import cpu_buckets
+from core.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
+                          int4_layers, machine_key, time_draft_steps)
+from core.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
+from models.cpu_quant import quantize_cpu
+from tests.conftest import tiny_llama, tiny_target
+from tests.test_eagle import random_head
+
+
+def int4_target(seed: int = 1):
+    model = tiny_llama(seed=seed, layers=3)
+    quantize_cpu(model, "int4")
+    target = tiny_target(model)
+    return type(target)(**{**target.__dict__, "quant": "int4"})
+
+
+def greedy_run(engine, prompt) -> tuple[list[int], set[int]]:
+    out, ties = [], set()
+    for step in engine.generate(prompt, SamplingConfig(max_new_tokens=40)):
+        ties.update(len(out) + i for i in step.near_ties)
+        out += step.new_ids
+    return out, ties
+
+
+def test_trees_on_the_fp32_twin_give_plain_decodings_text():
+    """Plain decoding runs the int4 kernel (one row); trees of 2+ rows the twin: the same weights,
+    so greedy text may part from plain's only where a near-tie was logged, and here it does not."""
+    target = int4_target()
+    apply_wide(target, 2)
+    assert all(layer.wide_from == 2 for layer in int4_layers(target))
+    prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    plain, ties = greedy_run(Engine(target), prompt)
+    for shape in (TreeConfig(1, 2, 4), TreeConfig(3, 4, 16)):
+        drafter = EagleDrafter(random_head(target.model, "eagle1", 3), 3, shape)
+        runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 2, 4, 8, 16)), drafter.feature_layers)
+        eagle, _ = greedy_run(Engine(target, drafter, runner), prompt)
+        if eagle != plain:
+            first = next(i for i, (a, b) in enumerate(zip(plain, eagle)) if a != b)
+            assert first in ties, f"{shape}: parted from plain at token {first} without a near-tie"
+        assert len(eagle) == len(plain)
+
+
+def test_tree_logits_on_the_twin_match_one_token_at_a_time():
+    target = int4_target(seed=2)
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8)))
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner.prefill(ids[:16], 0)
+    rows = []
+    for t in ids[16:]:  # one token at a time, on the int4 kernel
+        rows.append(runner.verify(torch.tensor([t]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)).logits)
+        runner.commit(torch.tensor([0]), [t])
+    sequential = torch.cat(rows)
+    apply_wide(target, 2)
+    runner.truncate(16)
+    chain = torch.tensor(ids[16:])
+    tree = runner.verify(chain, torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril()).logits
+    torch.testing.assert_close(tree, sequential, atol=0.05, rtol=0.02)  # bf16 activations, fp32 sums
+    assert (tree.argmax(-1) == sequential.argmax(-1)).all()
+
+
+def test_choose_wide_from_measures_both_kernels_and_narrows_again():
+    target = int4_target()
+    before = [copy.deepcopy(layer.packed) for layer in int4_layers(target)]
+    start, ms = choose_wide_from(target, rows=(2, 4))
+    assert start in (None, 2, 4)
+    assert set(ms) == {"2", "4"} and all(v["int4"] > 0 and v["wide"] > 0 for v in ms.values())
+    assert all(layer.wide is None and layer.wide_from is None for layer in int4_layers(target))
+    assert all(torch.equal(b, layer.packed) for b, layer in zip(before, int4_layers(target)))
+
+
+def test_head_weights_choice_needs_a_clear_win():
+    assert choose_head_weights({"int8": 1.0, "bf16": 0.95}.get)[0] == "int8"   # 5%: noise
+    assert choose_head_weights({"int8": 1.0, "bf16": 0.5}.get) == ("bf16", {"int8": 1.0, "bf16": 0.5})
+
+
+def test_draft_step_timer_runs_the_head_step():
+    target = int4_target()
+    drafter = EagleDrafter(random_head(target.model, "eagle1", 3), 3, TreeConfig(1, 4, 5))
+    drafter.shrink("bf16")
+    assert time_draft_steps(drafter.step, 64) > 0
+
+
+def test_kernel_choice_is_measured_once_per_machine(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return KernelChoice(16, "bf16", {"16": {"int4": 3.0, "wide": 1.0}}, {"int8": 1.0, "bf16": 0.5})
+
+    key = {**machine_key(), "model": "m"}
+    first, cached = cached_choice(tmp_path, key, measure)
+    again, cached_again = cached_choice(tmp_path, key, measure)
+    assert (cached, cached_again, len(calls)) == (False, True, 1) and again == first
+    assert "fp32 twin from 16 rows" in again.describe() and machine_key()["flags"]
+
+
+def test_big_cpu_buckets_only_with_a_kernel_that_keeps_them_cheap():
+    assert cpu_buckets(KernelChoice(None)) == CPU_BUCKETS
+    assert cpu_buckets(KernelChoice(16)) == CPU_BUCKETS + tuple(n for n in WIDE_ROWS if n > CPU_BUCKETS[-1])
+    assert cpu_buckets(None) is None
