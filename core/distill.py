@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from core.chat import render_prompt
-from core.cpu_linear import OneDnnLinear, onednn_is_faster, use_onednn_linears
+from core.cpu_linear import onednn_is_faster, use_onednn_linears
+from models.cpu_quant import OneDnnLinear
 from core.generate import Answer, BatchGenerator, Capture, GenConfig, choose_batch
 from core.row_cache import use_row_group_attention
 from core.train_data import GENERATED, TEACHER_TOPK, Conversation, shard_tensors, signature, write_shard

@@ -19,7 +19,7 @@ Two CPU speedups are opt-in, for a model the caller owns (`core.distill.prepare`
 - ROW_GROUPS attention (core/row_cache.py): rows are kept in bands, longest first, and each band
   attends only up to its own longest row instead of the batch's (with 8 bands 88% of the K/V
   slots read are real, against 54% for one padded call).
-- OneDnnLinear (core/cpu_linear.py): torch's default fp32 GEMM (MKL) runs AVX2 code on AMD CPUs;
+- OneDnnLinear (models/cpu_quant.py): torch's default fp32 GEMM (MKL) runs AVX2 code on AMD CPUs;
   oneDNN uses AVX-512.
 
 Shapes: B cache rows, b rows fed by one forward, T tokens fed per row, C slots per row,
