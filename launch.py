@@ -124,10 +124,10 @@ def target_spec(args: argparse.Namespace, batched: bool = False):
 
 def engine_spec(args: argparse.Namespace, **overrides):
     from core.config import TreeConfig
-    from core.factory import EngineSpec
-    from core.tree import MC_SIM_7B_63
+    from core.service.factory import EngineSpec
+    from core.spec.tree import MC_SIM_7B_63
 
-    from core.tuner import Pins
+    from core.tune.tuner import Pins
 
     head = args.head if args.head is not None else default_head(overrides.get("model", args.model))
     shape = {k: v for k, v in (("depth", args.depth), ("top_k", args.top_k), ("total_tokens", args.total_tokens)) if v is not None}
@@ -182,13 +182,13 @@ def run_app(args: argparse.Namespace) -> None:
     from app.api import api_routes
     from app.store import ChatStore, default_store_path
     from app.ui import build_ui, launch_options
-    from core.chat import ChatService
+    from core.service.chat import ChatService
     from core.config import ModelChoice
     from core.errors import AerieError
-    from core.factory import load_tuned
-    from core.probe import Probe, load_nvml
-    from core.switching import preflight
-    from core.worker import Worker
+    from core.service.factory import load_tuned
+    from core.tune.probe import Probe, load_nvml
+    from core.service.switching import preflight
+    from core.service.worker import Worker
 
     probe = Probe(load_nvml())  # one NVML session for placement and the monitor
 
@@ -262,8 +262,8 @@ def server_command(args: argparse.Namespace) -> list[str]:
 def run_train(args: argparse.Namespace) -> None:
     from core.bench import load_prompts
     from core.errors import AerieError
-    from core.train import TrainConfig, train
-    from core.train_data import DataConfig
+    from core.train.loop import TrainConfig, train
+    from core.train.data import DataConfig
     from models.target import load_target
 
     answers = args.answers or ([ROOT.parent / "shared" / "distill" / "smollm2-135m-instruct"] if args.model is None else None)
@@ -288,7 +288,7 @@ def run_train(args: argparse.Namespace) -> None:
 
 def run_generate(args: argparse.Namespace) -> None:
     from core.errors import AerieError
-    from core.distill import FRESH_START, GenerateJob, compare_with_hf, distill
+    from core.train.distill import FRESH_START, GenerateJob, compare_with_hf, distill
     from models.target import load_target
 
     job = GenerateJob(prompts=args.prompts, start=FRESH_START if args.start is None else args.start, limit=args.limit,

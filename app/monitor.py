@@ -1,6 +1,6 @@
 """The monitor panel: memory by role per GPU and in RAM, CPU load, the tuner's choice, and a small
 plot of tokens/s and accepted length per answer of the chat shown. Plain HTML and SVG from the
-service's numbers (a `core.monitor.Snapshot`) and the stored answers' `ReplyStats`; a gr.Timer
+service's numbers (a `core.tune.monitor.Snapshot`) and the stored answers' `ReplyStats`; a gr.Timer
 refreshes it."""
 
 import html

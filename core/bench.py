@@ -18,12 +18,12 @@ from pathlib import Path
 import psutil
 import torch
 
-from core.chat import render_prompt
+from core.text import render_prompt
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
-from core.factory import EngineSpec, load_tuned, make_drafter, target_load_spec
+from core.service.factory import EngineSpec, load_tuned, make_drafter, target_load_spec
 from core.served import SERVED, ServedClient, ServedTally
-from core.tuner import Tuner
+from core.tune.tuner import Tuner
 from models.quants import CPU_QUANTS
 from models.target import Target, load_target
 

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 from models.quants import QUANTS  # noqa: F401  (re-exported for app/, which imports core only)
 
 
+PLANNED_CONTEXT = 8192      # KV tokens the plan keeps room for (or the model's context, if shorter)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0   # 0 = greedy (argmax); > 0 divides the logits
@@ -105,7 +108,7 @@ class TreeConfig:
     depth: int = 5          # expansion steps after the root's children
     top_k: int = 8          # children per expanded node, and frontier width
     total_tokens: int = 32  # tokens the target verifies per round, root included
-    # EAGLE-1 static tree instead: paths of top-k ranks from the root, e.g. core.tree.MC_SIM_7B_63.
+    # EAGLE-1 static tree instead: paths of top-k ranks from the root, e.g. core.spec.tree.MC_SIM_7B_63.
     # When set, depth/top_k/total_tokens are ignored: the shape is fixed.
     choices: tuple[tuple[int, ...], ...] | None = None
 

@@ -19,11 +19,11 @@ import torch
 
 from core.config import SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError
-from core.sampling import sample, target_probs
-from core.drafters import PlainDrafter
-from core.runner import RunnerConfig, TargetRunner, Verified
-from core.tree import DraftTree
-from core.verify import Acceptance, accept_greedy, accept_sampled, path_offers
+from core.spec.sampling import sample, target_probs
+from core.spec.drafters import PlainDrafter
+from core.runtime.runner import RunnerConfig, TargetRunner, Verified
+from core.spec.tree import DraftTree
+from core.spec.verify import Acceptance, accept_greedy, accept_sampled, path_offers
 from models.target import Target
 
 
@@ -42,7 +42,7 @@ class StepResult:
 
 
 class Drafter(Protocol):
-    """Proposes a tree whose root is `context[-1]`. Implementations live in core/drafters.py."""
+    """Proposes a tree whose root is `context[-1]`. Implementations live in core/spec/drafters.py."""
 
     name: str
     feature_layers: tuple[int, ...] | None  # indices into the target's hidden_states, or None

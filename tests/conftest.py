@@ -62,7 +62,7 @@ def tiny_dir(tmp_path_factory, tokenizer) -> Path:
 def load_tuned_tiny(tiny_dir: Path, cache_dir: Path):
     """The tiny model with a random EAGLE head, pinned to EAGLE, tuned as the app does. Give each
     module its own cache folder: a profile saved by another module would be reused."""
-    from core.factory import EngineSpec, load_tuned
+    from core.service.factory import EngineSpec, load_tuned
 
     return load_tuned(EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, compile=False,
                                  head="random", strategy="eagle"))
@@ -72,7 +72,7 @@ def guard_checked(graph):
     """graph.direct, asserting on every call that the cache entry dynamo would run for these
     arguments (the first whose guards pass) is the one the graph bound on its first call. Counts
     its calls (`.calls`)."""
-    from core.graphs import compiled_code
+    from core.runtime.graphs import compiled_code
     bound = graph.direct
 
     def call(*args):

@@ -9,7 +9,8 @@ import pytest
 from app import chats, compare
 from app.handlers import Cancels
 from app.store import ChatStore
-from core.chat import ChatService, IncrementalDetokenizer, StopMatcher, round_spans
+from core.service.chat import ChatService
+from core.text import IncrementalDetokenizer, StopMatcher, round_spans
 from core.config import SamplingConfig
 from core.engine import Engine
 from tests.conftest import load_tuned_tiny

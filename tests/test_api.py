@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app.api import api_routes
-from core.chat import ChatService
+from core.service.chat import ChatService
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError, StrategyUnavailableError
 from tests.test_ui_handlers import FakeService

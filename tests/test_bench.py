@@ -6,8 +6,8 @@ import pytest
 
 from core.bench import bench, load_prompts
 from core.config import TreeConfig
-from core.factory import EngineSpec
-from core.tuner import Pins
+from core.service.factory import EngineSpec
+from core.tune.tuner import Pins
 from tests.conftest import ROOT_ASSETS
 
 
@@ -52,7 +52,7 @@ def tiny_server(tiny_dir, tmp_path):
     import gradio as gr
 
     from app.api import api_routes
-    from core.chat import ChatService
+    from core.service.chat import ChatService
     from tests.conftest import load_tuned_tiny
     from tests.test_api import free_port
 

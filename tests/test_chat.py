@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from core.chat import ChatService, IncrementalDetokenizer, StopMatcher, fit_context, render_prompt
+from core.service.chat import ChatService
+from core.text import IncrementalDetokenizer, StopMatcher, fit_context, render_prompt
 from core.config import SamplingConfig
 from core.engine import Engine
 from core.errors import ContextOverflowError
@@ -116,7 +117,7 @@ def test_reply_reports_cancel(tiny_service):
 
 
 def test_every_step_runs_on_the_services_worker(tiny_service, monkeypatch):
-    """All torch work on one thread (core/worker.py): the engine's steps never run on the reader's."""
+    """All torch work on one thread (core/service/worker.py): the engine's steps never run on the reader's."""
     engine, on_worker = tiny_service.engine, []
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda *a, **k: on_worker.append(tiny_service.worker.here) or step(*a, **k))

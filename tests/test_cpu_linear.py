@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.cpu_linear import accelerate_cpu
+from core.runtime.cpu_linear import accelerate_cpu
 from models.cpu_quant import OneDnnLinear
-from core.eagle import EagleDrafter
+from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from tests.conftest import tiny_llama, tiny_target
 from tests.test_eagle import random_head, run
@@ -27,7 +27,7 @@ def test_onednn_linear_matches_nn_linear():
 
 @needs_onednn
 def test_an_accelerated_target_gives_the_same_logits_and_stays_lossless(monkeypatch):
-    monkeypatch.setattr("core.cpu_linear.onednn_is_faster", lambda model, rows: True)
+    monkeypatch.setattr("core.runtime.cpu_linear.onednn_is_faster", lambda model, rows: True)
     model = tiny_llama(seed=3, layers=4)
     fast = tiny_target(copy.deepcopy(model))
     assert accelerate_cpu(fast)

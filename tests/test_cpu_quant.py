@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from core.bench import load_prompts
-from core.chat import render_prompt
+from core.text import render_prompt
 from core.config import SamplingConfig
-from core.factory import EngineSpec, load_tuned
+from core.service.factory import EngineSpec, load_tuned
 from models.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_cpu, quantized
 from tests.conftest import ROOT_ASSETS, tiny_llama
 

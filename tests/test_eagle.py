@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.eagle import EagleDrafter
+from core.spec.eagle import EagleDrafter
 from core.engine import Engine
-from core.tree import MC_SIM_7B_63
+from core.spec.tree import MC_SIM_7B_63
 from models.head_config import head_config_for_target
 from models.heads import build_head
 from tests.conftest import tiny_llama, tiny_target
@@ -67,7 +67,7 @@ def test_sampled_eagle_is_reproducible():
 
 @pytest.mark.slow
 def test_embedded_model_with_a_random_head_is_lossless(embedded_target):
-    from core.chat import render_prompt
+    from core.text import render_prompt
 
     model = embedded_target.model
     prompt = render_prompt(embedded_target.tokenizer, [{"role": "user", "content": "Name three colours."}])
@@ -118,8 +118,8 @@ def test_a_draft_vocabulary_out_of_range_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_the_shipped_head_is_lossless_and_accepts(embedded_target):
-    from core.chat import render_prompt
-    from core.factory import EngineSpec, make_drafter
+    from core.text import render_prompt
+    from core.service.factory import EngineSpec, make_drafter
     from tests.conftest import ROOT_ASSETS
 
     shipped = ROOT_ASSETS / "heads" / "smollm2-135m-instruct"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.cpu_linear import use_onednn_linears
+from core.runtime.cpu_linear import use_onednn_linears
 from models.cpu_quant import OneDnnLinear
-from core.distill import FRESH_START, FeatureShards, hf_generate, shuffled_prompts, write_answers
-from core.generate import PAD_SHARE, BatchGenerator, Capture, GenConfig, choose_batch, prefill_groups
-from core.row_cache import ROW_GROUPS, bands, use_row_group_attention
-from core.train_data import signature
+from core.train.distill import FRESH_START, FeatureShards, hf_generate, shuffled_prompts, write_answers
+from core.train.batch_gen import PAD_SHARE, BatchGenerator, Capture, GenConfig, choose_batch, prefill_groups
+from core.train.row_cache import ROW_GROUPS, bands, use_row_group_attention
+from core.train.data import signature
 from tests.conftest import tiny_llama, tiny_target
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
@@ -129,7 +129,7 @@ def test_prefill_groups_cover_every_prompt_with_little_padding():
 def test_batch_fits_memory(monkeypatch):
     model = tiny_llama()
     assert 1 <= choose_batch(model, 512, torch.device("cpu")) <= 64
-    monkeypatch.setattr("core.generate.psutil.virtual_memory", lambda: type("M", (), {"available": 4 * 2**20}))
+    monkeypatch.setattr("core.train.batch_gen.psutil.virtual_memory", lambda: type("M", (), {"available": 4 * 2**20}))
     row_bytes = 2 * 2 * 2 * 16 * 4 * 512  # K and V x layers x kv heads x head dim x fp32 x slots
     assert choose_batch(model, 512, torch.device("cpu")) == 2**20 // row_bytes
 
@@ -225,7 +225,7 @@ def test_captured_answers_carry_the_teacher_forced_features(layers):
 def test_train_takes_generated_features_instead_of_capturing(tmp_path):
     """`generate --features` shards stand in for train's own capture: nothing is captured again and
     the shards train assembles equal those a capture would write, for any subset of the kept layers."""
-    from core.train_data import DataConfig, capture, load_conversations, load_features
+    from core.train.data import DataConfig, capture, load_conversations, load_features
 
     model, tok = tiny_llama(seed=7), ByteTokenizer()
     target = tiny_target(model)
@@ -251,7 +251,7 @@ def test_train_takes_generated_features_instead_of_capturing(tmp_path):
 def test_answers_added_mid_list_capture_only_the_new_conversations(tmp_path):
     """Shards group conversations by position, so answers added in the middle of the file list move
     every later shard's grouping; their rows are copied from the old shards, not captured again."""
-    from core.train_data import Conversation, DataConfig, capture, load_features
+    from core.train.data import Conversation, DataConfig, capture, load_features
 
     target = tiny_target(tiny_llama(seed=8))
     rng = torch.Generator().manual_seed(0)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.eagle import EagleDrafter
-from core.drafters import PromptLookupDrafter
+from core.spec.eagle import EagleDrafter
+from core.spec.drafters import PromptLookupDrafter
 from core.engine import Engine
-from core.runner import RunnerConfig, TargetRunner
+from core.runtime.runner import RunnerConfig, TargetRunner
 from models.target import LoadSpec, load_target
 from tests.test_eagle import random_head, run
 
@@ -79,7 +79,7 @@ def test_cuda_graph_outputs_survive_the_next_replay(graphed):
 
 
 def test_head_step_cuda_graphs_equal_eager_and_stay_lossless(nf4_target, graphed):
-    """The head's step (core/head_step.py) as CUDA graphs: each padded bucket equals the eager,
+    """The head's step (core/runtime/head_step.py) as CUDA graphs: each padded bucket equals the eager,
     unpadded step, its outputs survive the next replay, and a graphed drafter's output equals plain decoding."""
     layers = nf4_target.model.config.num_hidden_layers
     head = random_head(nf4_target.model, "eagle1", 1).to(device="cuda", dtype=nf4_target.dtype)

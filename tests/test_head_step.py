@@ -1,4 +1,4 @@
-"""The EAGLE head's step (core/head_step.py): preallocated cache, padded buckets, compiled graphs.
+"""The EAGLE head's step (core/runtime/head_step.py): preallocated cache, padded buckets, compiled graphs.
 
 Tiny random targets and heads (fp32, CPU): a compiled, padded step equals the eager, unpadded one
 at every bucket and past the largest; a drafter whose head step is compiled drafts the same trees
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.eagle import EagleDrafter
+from core.spec.eagle import EagleDrafter
 from core.engine import Engine
-from core.head_step import CPU_BUCKETS
+from core.runtime.head_step import CPU_BUCKETS
 from tests.conftest import guard_checked, tiny_llama, tiny_target
 from tests.test_eagle import random_head
 

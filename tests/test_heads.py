@@ -14,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
-from core.kv import static_cache
+from core.runtime.kv import static_cache
 from models.errors import HeadMismatchError, ModelLoadError, UnsupportedModelError
 from models.head_checkpoint import expected_shapes, load_head, save_head
 from models.head_config import head_config_for_target
@@ -164,7 +164,7 @@ def test_save_then_load_round_trips_in_fp16(tmp_path, target, kind):
 
 
 def preallocated() -> Cache:
-    """The drafter's cache (core/head_step.py): 16 rows allocated up front, of which a mask of
+    """The drafter's cache (core/runtime/head_step.py): 16 rows allocated up front, of which a mask of
     width P+T makes attention read the first P+T."""
     return static_cache(1, 16, NKV, H // NH, torch.float32, torch.device("cpu"))
 

@@ -1,4 +1,4 @@
-"""The CPU kernel choice (core/kernels.py): an int4 target whose big trees run on the fp32 twin
+"""The CPU kernel choice (core/tune/kernels.py): an int4 target whose big trees run on the fp32 twin
 stays lossless, the chooser measures and leaves the layers as they were, and the choice is cached
 per machine."""
 
@@ -7,12 +7,12 @@ import copy
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.eagle import EagleDrafter
+from core.spec.eagle import EagleDrafter
 from core.engine import Engine
-from core.factory import cpu_buckets
-from core.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
+from core.service.factory import cpu_buckets
+from core.tune.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
                           int4_layers, machine_key, time_draft_steps)
-from core.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
+from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from models.cpu_quant import quantize_cpu
 from tests.conftest import tiny_llama, tiny_target
 from tests.test_eagle import random_head

@@ -1,5 +1,5 @@
 """The Model panel (app/model_panel.py), cancellable downloads (models/download.py) and model
-switching in the service (core/chat.py, core/switching.py), without a network: the download's
+switching in the service (core/service/chat.py, core/service/switching.py), without a network: the download's
 child process runs a stand-in worker that writes blobs the way huggingface_hub does."""
 
 import threading
@@ -13,10 +13,10 @@ import torch
 
 from app import model_panel
 from app.handlers import Cancels, header
-from core.chat import ChatService
+from core.service.chat import ChatService
 from core.config import ModelChoice
 from core.errors import HeadMismatchError, ModelLoadError
-from core.switching import SwitchReport, fetch, is_hub_id
+from core.service.switching import SwitchReport, fetch, is_hub_id
 from models.download import Download, Progress, repo_folder
 
 GIB = 2**30
@@ -91,7 +91,7 @@ def fake_loader(choice):
 
 
 def test_switch_reports_memory_and_a_failed_switch_restores_the_old_model(monkeypatch):
-    import core.chat as chat_module
+    import core.service.chat as chat_module
     readings = iter([5 * GIB, 2 * GIB, 3 * GIB])  # before, after freeing, after loading
     monkeypatch.setattr(chat_module, "process_bytes", lambda device: next(readings))
     monkeypatch.setattr(chat_module, "release", lambda device: next(readings))
@@ -105,7 +105,7 @@ def test_switch_reports_memory_and_a_failed_switch_restores_the_old_model(monkey
 
 
 def test_an_unexpected_load_error_still_brings_the_old_model_back(monkeypatch):
-    import core.chat as chat_module
+    import core.service.chat as chat_module
     monkeypatch.setattr(chat_module, "process_bytes", lambda device: GIB)
     monkeypatch.setattr(chat_module, "release", lambda device: GIB)
 
@@ -121,7 +121,7 @@ def test_an_unexpected_load_error_still_brings_the_old_model_back(monkeypatch):
 
 
 def test_preflight_refuses_before_anything_is_freed(embedded_dir, cache_dir):
-    from core.switching import preflight
+    from core.service.switching import preflight
     from models.target import LoadSpec
 
     loads = []

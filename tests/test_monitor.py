@@ -8,11 +8,11 @@ import pytest
 
 from app import monitor
 from app.store import ChatStore
-from core.chat import ChatService
+from core.service.chat import ChatService
 from core.config import ReplyStats, SamplingConfig
-from core.monitor import engine_memory, gpu_bars, snapshot, storage, tensor_bytes
-from core.probe import GpuReading, Probe
-from core.profile import cached_profile
+from core.tune.monitor import engine_memory, gpu_bars, snapshot, storage, tensor_bytes
+from core.tune.probe import GpuReading, Probe
+from core.tune.latency import cached_profile
 from tests.conftest import load_tuned_tiny
 from tests.test_tuner import FakeNvml
 

@@ -1,4 +1,4 @@
-"""The target runner (core/runner.py): static cache, buckets, compiled graphs, commit, masks.
+"""The target runner (core/runtime/runner.py): static cache, buckets, compiled graphs, commit, masks.
 
 Tiny random Llamas (fp32, CPU): compiled equals eager per bucket, a tree verify equals sequential
 decoding, padding rows are inert, a commit leaves the cache as a fresh prefill would, the 4D-mask
@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from core.drafters import PromptLookupDrafter
+from core.spec.drafters import PromptLookupDrafter
 from core.engine import Engine
 from core.config import SamplingConfig
-from core.graphs import NotCompiled, compiled_code
-from core.kv import CPU_KV_BLOCK
-from core.runner import ATTENTION, RunnerConfig, TargetRunner, tree_attention
-from core.tree import make_tree
+from core.runtime.graphs import NotCompiled, compiled_code
+from core.runtime.kv import CPU_KV_BLOCK
+from core.runtime.runner import ATTENTION, RunnerConfig, TargetRunner, tree_attention
+from core.spec.tree import make_tree
 from tests.conftest import guard_checked, tiny_llama, tiny_target
 
 TREE = make_tree([7, 11, 12, 13, 21, 22], [-1, 0, 0, 0, 1, 4])  # 6 nodes: bucket 8 pads 2 rows
@@ -204,7 +204,7 @@ def test_a_tree_beyond_the_largest_bucket_goes_in_chunks(model):
 def test_a_failed_compile_falls_back_to_eager_and_says_so(model, monkeypatch):
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler found"), None)
-    monkeypatch.setattr("core.runner.Graph", lambda fn, device: broken)
+    monkeypatch.setattr("core.runtime.runner.Graph", lambda fn, device: broken)
     runner = TargetRunner(tiny_target(model), RunnerConfig(compile=True, buckets=(1, 4)))
     lines = []
     runner.warm_up(lines.append)
@@ -216,7 +216,7 @@ def test_a_failed_compile_falls_back_to_eager_and_says_so(model, monkeypatch):
 def test_past_the_recompile_limit_a_runner_runs_eagerly_and_says_so(monkeypatch):
     """With fullgraph, dynamo raises at its recompile limit instead of falling back itself: the
     runner must catch that, say so, and still verify (eagerly)."""
-    monkeypatch.setattr("core.graphs.RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr("core.runtime.graphs.RECOMPILE_LIMIT", 1)
     runner = TargetRunner(tiny_target(tiny_llama(seed=11, layers=1)), RunnerConfig(compile=True, buckets=(1, 2, 4)))
     lines = []
     with torch._dynamo.config.patch(recompile_limit=1):

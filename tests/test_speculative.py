@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.config import SamplingConfig
-from core.drafters import PromptLookupDrafter, trie_tree
+from core.spec.drafters import PromptLookupDrafter, trie_tree
 from core.engine import Engine
 from tests.conftest import tiny_llama, tiny_target
 

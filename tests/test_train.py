@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.eagle import EagleDrafter
+from core.spec.eagle import EagleDrafter
 from core.engine import Engine
-from core.train import TrainConfig, train
-from core.train_data import Batch
-from core.train_head import DraftVocab, column_index, new_head, token_loss, ttt_mask, unroll
-from core.train_data import DataConfig, TrainDataError
+from core.train.loop import TrainConfig, train
+from core.train.data import Batch
+from core.train.losses import DraftVocab, column_index, new_head, token_loss, ttt_mask, unroll
+from core.train.data import DataConfig, TrainDataError
 from models.errors import UnsupportedModelError
 from models.head_checkpoint import load_draft_vocab, load_head
 from tests.conftest import tiny_llama, tiny_target
@@ -80,7 +80,7 @@ def test_training_lowers_the_loss_and_the_head_drafts_losslessly(model, answers,
 def test_eagle1_trains_on_the_draft_vocabulary_it_drafts_from(model, answers, tmp_path, monkeypatch):
     """An EAGLE-1 head over a big vocabulary is scored on the frequent answer tokens it will draft
     from (saved beside it), and drafts losslessly from them."""
-    monkeypatch.setattr("core.train_head.EAGLE1_DRAFT_VOCAB", 96)
+    monkeypatch.setattr("core.train.losses.EAGLE1_DRAFT_VOCAB", 96)
     summary = train(tiny_target(model), data(answers, tmp_path), CFG, tmp_path / "head")
     assert summary["finished"] and summary["val"]["acc0"] > 0.2
     head = load_head(str(tmp_path / "head"), model.config, model.get_input_embeddings(), model.get_output_embeddings())
@@ -139,7 +139,7 @@ def test_warm_start_continues_from_a_trained_head(model, answers, tmp_path):
 
 
 def test_features_are_reused_and_match_the_engine(model, answers, tmp_path):
-    from core.train_data import capture, load_conversations, load_features
+    from core.train.data import capture, load_conversations, load_features
 
     cfg = data(answers, tmp_path)
     convs, _ = load_conversations(cfg, 256, 512)
@@ -159,7 +159,7 @@ def test_features_are_reused_and_match_the_engine(model, answers, tmp_path):
 
 
 def test_benchmark_prompts_are_dropped_and_bad_input_is_refused(answers, tmp_path):
-    from core.train_data import load_conversations
+    from core.train.data import load_conversations
 
     convs, dropped = load_conversations(data(answers, tmp_path, exclude_prompts=("prompt 1", "prompt 2")), 256, 512)
     assert dropped == 2 and len(convs) == 22

@@ -1,11 +1,12 @@
-"""core/tree.py: tree structure, the verify mask and positions, EAGLE-2 expand/rerank, EAGLE-1 shape."""
+"""core/spec/tree.py: tree structure, the verify mask and positions, EAGLE-2 expand/rerank, EAGLE-1 shape."""
 
 import math
 
 import pytest
 import torch
 
-from core.tree import (
+from core.runtime.kv import additive_mask
+from core.spec.tree import (
     MC_SIM_7B_63,
     DraftTree,
     chain_tree,
@@ -15,7 +16,6 @@ from core.tree import (
     rerank,
     root_only,
     static_shape,
-    additive_mask,
 )
 
 #         0

@@ -1,7 +1,7 @@
 """DESIGN invariant 2: tree-masked target logits equal sequential-decoding logits along every path.
 
 A tiny random Llama runs through transformers' public interface only: a prefill into a
-preallocated cache (core/kv.py), then ONE forward over a tree's tokens with the 4D mask
+preallocated cache (core/runtime/kv.py), then ONE forward over a tree's tokens with the 4D mask
 `additive_mask` builds from its ancestor mask and position ids past_len + depth. The reference
 decodes each root-to-leaf path token by token from a fresh prefill in a plain `DynamicCache`. Then
 the commit invariant: after `keep_rows(cache, past_len, acceptance.nodes)` the cache continues
@@ -18,9 +18,10 @@ from transformers.cache_utils import DynamicCache
 
 from transformers.cache_utils import Cache
 
-from core.kv import keep_rows, static_cache
-from core.tree import DraftTree, additive_mask, chain_tree, make_tree, root_only
-from core.verify import Acceptance, accept_greedy
+from core.runtime.kv import keep_rows, static_cache
+from core.runtime.kv import additive_mask
+from core.spec.tree import DraftTree, chain_tree, make_tree, root_only
+from core.spec.verify import Acceptance, accept_greedy
 
 VOCAB = 256
 ATOL = 1e-4

@@ -9,13 +9,13 @@ import psutil
 import pytest
 import torch
 
-from core.budget import GIB, MemoryBudgetError, ModelShape, largest_tree, plan_placement, tree_bytes, weight_bytes
+from core.tune.budget import GIB, MemoryBudgetError, ModelShape, largest_tree, plan_placement, tree_bytes, weight_bytes
 from core.config import TreeConfig
-from core.probe import Probe
-from core.profile import LatencyProfile, interpolate, monotone
-from core.tree import make_tree
-from core.tuner import MIN_DRAFTS, Acceptance, Meter, Pins, Tuner, Turn, best_shape, node_values, prior_table
-from core.verify import Acceptance as Accepted, path_offers
+from core.tune.probe import Probe
+from core.tune.latency import LatencyProfile, interpolate, monotone
+from core.spec.tree import make_tree
+from core.tune.tuner import MIN_DRAFTS, Acceptance, Meter, Pins, Tuner, Turn, best_shape, node_values, prior_table
+from core.spec.verify import Acceptance as Accepted, path_offers
 
 LLAMA2_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096,
              "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096}
@@ -77,7 +77,7 @@ def test_weights_and_kv_follow_the_formulas():
     assert 6.6e9 < shape.linear_params + shape.embedding_params < 6.8e9            # "7B"
     assert 3.5 * GIB < weight_bytes(shape, "nf4", 2) < 4.0 * GIB                       # 4.13 bits per linear weight
     assert weight_bytes(shape, "none", 2) == 2 * (shape.linear_params + shape.embedding_params)
-    from core.budget import target_kv_per_token
+    from core.tune.budget import target_kv_per_token
     assert target_kv_per_token(shape, 2) == 2 * (32 + 1) * 32 * 128 * 2   # 512 KiB per token, plus the head's layer
     assert tree_bytes(shape, 64, 1000, 2) > tree_bytes(shape, 32, 1000, 2) > tree_bytes(shape, 32, 10, 2)
 
@@ -310,8 +310,8 @@ def test_drafts_slower_than_profiled_make_the_tuner_draft_less():
 
 
 def test_tree_budget_caps_and_refuses_what_memory_cannot_hold():
-    from core.factory import tree_budget
-    from core.profile import SIZES
+    from core.service.factory import tree_budget
+    from core.tune.latency import SIZES
     from tests.conftest import tiny_target
 
     target = tiny_target()
@@ -323,7 +323,7 @@ def test_tree_budget_caps_and_refuses_what_memory_cannot_hold():
 
 
 def test_cpu_load_is_measured_per_probe_and_never_reads_zero_from_a_sliver():
-    from core.probe import CpuLoad
+    from core.tune.probe import CpuLoad
 
     load = CpuLoad()
     load.last_at -= 1.0                      # pretend a second passed

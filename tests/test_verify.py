@@ -1,10 +1,10 @@
-"""core/verify.py: greedy acceptance on hand-built cases; sampled acceptance is lossless."""
+"""core/spec/verify.py: greedy acceptance on hand-built cases; sampled acceptance is lossless."""
 
 import pytest
 import torch
 
-from core.tree import DraftTree, chain_tree, make_tree, root_only
-from core.verify import Acceptance, accept_greedy, accept_sampled
+from core.spec.tree import DraftTree, chain_tree, make_tree, root_only
+from core.spec.verify import Acceptance, accept_greedy, accept_sampled
 
 
 def _logits_with_argmax(target_next: list[int], vocab: int = 6) -> torch.Tensor:

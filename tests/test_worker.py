@@ -1,11 +1,11 @@
-"""core/worker.py: one thread runs every job; a stream is made, advanced and closed there, runs
+"""core/service/worker.py: one thread runs every job; a stream is made, advanced and closed there, runs
 ahead of its reader, stops when the reader leaves, and hands failures over."""
 
 import threading
 
 import pytest
 
-from core.worker import Worker
+from core.service.worker import Worker
 
 
 def test_call_runs_on_the_worker_and_returns_or_raises():

@@ -6,7 +6,7 @@ sys.path.insert(0, ".")
 import launch  # noqa: E402
 
 if sys.argv[1:2] == ["nvml"]:
-    from core.probe import Probe, load_nvml
+    from core.tune.probe import Probe, load_nvml
 
     reading = Probe(load_nvml()).read()
     for g in reading.gpus:

@@ -16,8 +16,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from core.config import SamplingConfig, TreeConfig  # noqa: E402
 from core.engine import Engine  # noqa: E402
-from core.factory import EngineSpec, make_drafter  # noqa: E402
-from core.runner import RunnerConfig, TargetRunner  # noqa: E402
+from core.service.factory import EngineSpec, make_drafter  # noqa: E402
+from core.runtime.runner import RunnerConfig, TargetRunner  # noqa: E402
 from models.target import LoadSpec, load_target  # noqa: E402
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
@@ -66,7 +66,7 @@ def answer(label: str) -> None:
 
 
 answer("eager head step")
-if device == "cuda":  # what core/factory.py does on a GPU: the head's step as CUDA graphs
+if device == "cuda":  # what core/service/factory.py does on a GPU: the head's step as CUDA graphs
     t0 = time.perf_counter()
     drafter.warm_up(print)
     print(f"head step compiled in {time.perf_counter() - t0:.1f} s")

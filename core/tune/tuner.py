@@ -9,7 +9,7 @@ A shape's expected speed is E[tokens per round] / E[round time] (DESIGN.md secti
     with these values in place of the head's confidence: expand the top_k best nodes of each level,
     `depth` times, then keep the best total_tokens - 1 of the pool.
   - E[round time] = profile.round(total_tokens, context) + one head step per level at width top_k
-    + the catch-up step over the tokens the last round committed + the rerank (core/profile.py).
+    + the catch-up step over the tokens the last round committed + the rerank (core/tune/latency.py).
 Plain decoding costs profile.plain_ms(context) per token, so predicted speedup = speed x plain_ms.
 
 The ladder: tree -> chain -> prompt lookup -> plain. A rung is left when its measured speedup
@@ -25,8 +25,8 @@ from typing import Sequence
 import torch
 
 from core.config import TreeConfig
-from core.eagle import RANKED
-from core.profile import LatencyProfile
+from core.spec.eagle import RANKED
+from core.tune.latency import LatencyProfile
 
 MAX_DEPTH = 7                       # expansion steps searched (longest draft = depth + 1)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
@@ -205,7 +205,7 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
 
 
 class Tuner:
-    """Plans each turn; learns from its rounds. Built by core/factory.py, one per loaded model."""
+    """Plans each turn; learns from its rounds. Built by core/service/factory.py, one per loaded model."""
 
     def __init__(self, profile: LatencyProfile, acceptance: Acceptance, pins: Pins, drafters: dict, max_size: int):
         """drafters: name -> drafter, "plain" and "prompt_lookup" always, "eagle" with a head."""

@@ -1,5 +1,5 @@
-"""Preallocated KV caches behind transformers' public `Cache` API: the target's (core/runner.py)
-and the EAGLE head's (core/head_step.py).
+"""Preallocated KV caches behind transformers' public `Cache` API: the target's (core/runtime/runner.py)
+and the EAGLE head's (core/runtime/head_step.py).
 
 Each layer is a `StaticLayer`: keys/values in one buffer `(1, Hkv, C, Dh)` allocated once, and a
 length counter L kept as a device tensor. A forward writes its T new rows at [L, L+T) in place and
@@ -56,6 +56,18 @@ def attended_rows(used: int, capacity: int, device: torch.device) -> int:
     if device.type == "cuda":
         return capacity
     return min(capacity, -(-used // CPU_KV_BLOCK) * CPU_KV_BLOCK)
+
+
+def additive_mask(visible: torch.Tensor, past_len: int, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+    """visible (T, n) bool -> (1, 1, T, width) additive mask, width >= past_len+n (default equal):
+    every row sees the whole committed prefix, and among the n new columns only those marked
+    visible (0 attends; finfo.min blocks, a -inf that stays finite in sums); columns past
+    past_len+n are blocked. A tree passes its ancestor mask, a causal run its lower triangle."""
+    T, n = visible.shape
+    mask = torch.full((1, 1, T, width or past_len + n), torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    mask[0, 0, :, :past_len] = 0
+    mask[0, 0, :, past_len: past_len + n].masked_fill_(visible, 0)
+    return mask
 
 
 def cache_bytes(cache: Cache) -> int:

@@ -4,7 +4,7 @@ The head reads pairs (target feature at position t, token at t+1) and predicts t
 t+1, hence the distribution of the token at t+2. Its KV cache holds only pairs built from real
 target features of committed tokens; tree nodes are written after those while drafting and
 forgotten at the end of the round, where the next round writes over them (EAGLE's `stable_kv`).
-The head's forward runs through core/head_step.py: a preallocated cache and, when compiling, one
+The head's forward runs through core/runtime/head_step.py: a preallocated cache and, when compiling, one
 graph per step size.
 
 One round of drafting (eagle.md 4.1), with H the head's hidden size and Vd its vocabulary:
@@ -20,14 +20,14 @@ import copy
 
 import torch
 
-from core.budget import PLANNED_CONTEXT
+from core.config import PLANNED_CONTEXT
 from core.config import TreeConfig
-from core.head_step import HeadStep
-from core.tree import DraftTree, chain_tree, expand_frontier, make_tree, rerank, static_shape
+from core.runtime.head_step import HeadStep
+from core.spec.tree import DraftTree, chain_tree, expand_frontier, make_tree, rerank, static_shape
 from models.cpu_quant import quantize_cpu, quantized
 from models.errors import UnsupportedModelError
 
-RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tuner.py RANKS)
+RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tune/tuner.py RANKS)
 
 
 class EagleDrafter:

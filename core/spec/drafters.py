@@ -2,7 +2,7 @@
 
 - PlainDrafter: proposes nothing (a tree of just the root): plain decoding, the baseline.
 - PromptLookupDrafter: n-gram lookup in the prompt and the answer so far; needs no head.
-- EagleDrafter (core/eagle.py): an EAGLE head reading the target's features.
+- EagleDrafter (core/spec/eagle.py): an EAGLE head reading the target's features.
 
 Drafters see token ids and target outputs; they know nothing about text or the UI.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.tree import DraftTree, make_tree, root_only
+from core.spec.tree import DraftTree, make_tree, root_only
 
 
 class PlainDrafter:

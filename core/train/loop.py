@@ -1,7 +1,7 @@
 """`launch.py train`: an EAGLE draft head by self-distillation (research/eagle.md 7, calibration.md).
 
-train(): answers -> split -> target features captured once (core/train_data.py) -> epochs of
-unroll + loss + AdamW (core/train_head.py) -> DIR/model.safetensors + config.json (eagle.md 10.3).
+train(): answers -> split -> target features captured once (core/train/data.py) -> epochs of
+unroll + loss + AdamW (core/train/losses.py) -> DIR/model.safetensors + config.json (eagle.md 10.3).
 Along the way: DIR/log.jsonl (training and validation records), DIR/checkpoint.pt, and a head
 snapshot per validation under DIR/snapshots/ for learning curves with `launch.py bench`.
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core.train_data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_conversations,
+from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_conversations,
                              load_features, make_batch, split)
-from core.train_head import DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head, unroll, warm_start
+from core.train.losses import DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head, unroll, warm_start
 from models.errors import AerieError, UnsupportedModelError
 from models.head_checkpoint import save_draft_vocab, save_head
 from models.heads import KINDS, EagleHead

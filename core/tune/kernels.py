@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from core.runner import RunnerConfig, TargetRunner
-from core.tree import chain_tree
+from core.runtime.runner import RunnerConfig, TargetRunner
+from core.spec.tree import chain_tree
 from models.cpu_quant import Int4Linear
 from models.target import Target
 

@@ -17,9 +17,10 @@ and every verify then pays a weight transfer. With that slow a target much large
 
 from dataclasses import dataclass
 
+from core.config import PLANNED_CONTEXT
+
 from models.errors import AerieError
 
-PLANNED_CONTEXT = 8192      # KV tokens the plan keeps room for (or the model's context, if shorter)
 NF4_BITS_PER_WEIGHT = 4 + 8.5 / 64
 MIN_GPU_SHARE = 0.1         # below this share of the weights on the GPU, offloading is not worth it
 GIB = 2**30

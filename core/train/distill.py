@@ -1,10 +1,10 @@
 """`launch.py generate`: the target's greedy answers to training prompts, as distill files.
 
 Prompts are mix_v1 (../shared/prompts) shuffled as ../shared/distill did, answered with the chat
-template by the batched generator (core/generate.py) and appended as lines {prompt, prompt_ids,
+template by the batched generator (core/train/batch_gen.py) and appended as lines {prompt, prompt_ids,
 answer_ids} as they finish, so a killed run resumes. With `features`, the generator also keeps
 each answer's target features and teacher logits, written as gen-* shards that `launch.py train
---features` reads instead of capturing them again (core/train_data.py): one pass over the target
+--features` reads instead of capturing them again (core/train/data.py): one pass over the target
 instead of two. A kill loses at most a shard's worth of features; train captures those itself.
 """
 
@@ -19,12 +19,12 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from core.chat import render_prompt
-from core.cpu_linear import onednn_is_faster, use_onednn_linears
+from core.text import render_prompt
+from core.runtime.cpu_linear import onednn_is_faster, use_onednn_linears
 from models.cpu_quant import OneDnnLinear
-from core.generate import Answer, BatchGenerator, Capture, GenConfig, choose_batch
-from core.row_cache import use_row_group_attention
-from core.train_data import GENERATED, TEACHER_TOPK, Conversation, shard_tensors, signature, write_shard
+from core.train.batch_gen import Answer, BatchGenerator, Capture, GenConfig, choose_batch
+from core.train.row_cache import use_row_group_attention
+from core.train.data import GENERATED, TEACHER_TOPK, Conversation, shard_tensors, signature, write_shard
 from models.heads import feature_layers
 from models.target import Target
 
@@ -56,7 +56,7 @@ def answered_prompts(out: Path) -> set[str]:
 
 @dataclass
 class FeatureShards:
-    """Captured answers, written as gen-* shards of `SHARD_ANSWERS` in core/train_data.py's format."""
+    """Captured answers, written as gen-* shards of `SHARD_ANSWERS` in core/train/data.py's format."""
     folder: Path
     layers: tuple[int, ...]
     signature: str

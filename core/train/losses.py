@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from core.train_data import Batch
+from core.train.data import Batch
 from models.errors import HeadMismatchError
 from models.head_checkpoint import load_head
 from models.head_config import head_config_for_target

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.tree import chain_tree, rerank
+from core.spec.tree import chain_tree, rerank
 
 SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96)  # the sizes plus 2 and 4: on a CPU the step from 1 token (no mask) to a small tree matters
 LARGE_SIZES = SIZES + (128, 192, 256)   # an offloaded target: big trees may pay (SpecExec)

@@ -25,10 +25,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from core.budget import PLANNED_CONTEXT
-from core.graphs import Graph, compiled_all
-from core.kv import attended_rows, cache_bytes, keep_rows, set_length, static_cache
-from core.tree import additive_mask
+from core.config import PLANNED_CONTEXT
+from core.runtime.graphs import Graph, compiled_all
+from core.runtime.kv import additive_mask, attended_rows, cache_bytes, keep_rows, set_length, static_cache
 from models.quants import CPU_QUANTS
 from models.target import Target
 

@@ -1,5 +1,5 @@
 """The EAGLE head's step as the drafter runs it: a preallocated KV cache, a few fixed row counts,
-and with `compile` one compiled graph per row count (a CUDA graph on a GPU), as core/runner.py
+and with `compile` one compiled graph per row count (a CUDA graph on a GPU), as core/runtime/runner.py
 does for the target's verify (issue 7, point 3).
 
 Why: a head step is ~30 small kernels, and a draft makes depth + 1 of them plus their scoring. On
@@ -17,9 +17,8 @@ unpadded.
 
 import torch
 
-from core.graphs import Graph, compiled_all
-from core.kv import attended_rows, cache_bytes, set_length, static_cache
-from core.tree import additive_mask
+from core.runtime.graphs import Graph, compiled_all
+from core.runtime.kv import additive_mask, attended_rows, cache_bytes, set_length, static_cache
 
 CPU_BUCKETS = (1, 2, 4, 8)          # rows per step: a catch-up (accepted + 1) or a frontier (top_k)
 CUDA_BUCKETS = (1, 4, 8, 16)         # each a CUDA graph compiled at start: few, as the runner's smallest

@@ -109,18 +109,6 @@ def children(tree: DraftTree) -> list[list[int]]:
     return kids
 
 
-def additive_mask(visible: Tensor, past_len: int, dtype: torch.dtype, width: int | None = None) -> Tensor:
-    """visible (T, n) bool -> (1, 1, T, width) additive mask, width >= past_len+n (default equal):
-    every row sees the whole committed prefix, and among the n new columns only those marked
-    visible (0 attends; finfo.min blocks, a -inf that stays finite in sums); columns past
-    past_len+n are blocked. A tree passes its ancestor mask, a causal run its lower triangle."""
-    T, n = visible.shape
-    mask = torch.full((1, 1, T, width or past_len + n), torch.finfo(dtype).min, dtype=dtype, device=visible.device)
-    mask[0, 0, :, :past_len] = 0
-    mask[0, 0, :, past_len: past_len + n].masked_fill_(visible, 0)
-    return mask
-
-
 # ---------------------------------------------------------------------------------------------
 # EAGLE-2 dynamic tree. The drafter runs the loop (it calls the head); these are its two steps.
 #   score(node) = sum of log p_draft along its path = log of the product of draft confidences.

@@ -15,8 +15,8 @@ The prompts' longest common prefix (the chat template's system block) is encoded
 K/V copied into every new row. Greedy output equals greedy decoding of each prompt alone, up to
 the float rounding of batched matmuls.
 
-Two CPU speedups are opt-in, for a model the caller owns (`core.distill.prepare` applies both):
-- ROW_GROUPS attention (core/row_cache.py): rows are kept in bands, longest first, and each band
+Two CPU speedups are opt-in, for a model the caller owns (`core.train.distill.prepare` applies both):
+- ROW_GROUPS attention (core/train/row_cache.py): rows are kept in bands, longest first, and each band
   attends only up to its own longest row instead of the batch's (with 8 bands 88% of the K/V
   slots read are real, against 54% for one padded call).
 - OneDnnLinear (models/cpu_quant.py): torch's default fp32 GEMM (MKL) runs AVX2 code on AMD CPUs;
@@ -24,12 +24,12 @@ Two CPU speedups are opt-in, for a model the caller owns (`core.distill.prepare`
 
 Shapes: B cache rows, b rows fed by one forward, T tokens fed per row, C slots per row,
 L attended slots, H kv heads, D head dim, F hidden, V vocab.
-With a `Capture`, each answer also brings what head training needs (core/train_data.py), from
+With a `Capture`, each answer also brings what head training needs (core/train/data.py), from
 the same forwards: the feature f_p at every position and the top-K logits at every answer
 position. An ended row is fed its last token once more for its own f and teacher row (one
 row-step per answer), so no second, teacher-forced pass over the answers is needed.
 
-The generator knows token ids only; core/distill.py adds prompts, the chat template and files.
+The generator knows token ids only; core/train/distill.py adds prompts, the chat template and files.
 """
 
 import time
@@ -40,7 +40,7 @@ from typing import Iterator, Sequence
 import psutil
 import torch
 
-from core.row_cache import ROW_GROUPS, RowCache, bands, feed_mask
+from core.train.row_cache import ROW_GROUPS, RowCache, bands, feed_mask
 
 CPU_MAX_BATCH = 64          # decode row-tokens/s on 1 core here: 173/219/242/258/252/276 at B=16/32/48/64/96/128
 GPU_MAX_BATCH = 256
@@ -51,7 +51,7 @@ PAD_SHARE = 0.1             # right padding a prefill group may add to its token
 
 @dataclass(frozen=True)
 class Capture:
-    """What to keep of each answer for head training (core/train_data.py's shard format)."""
+    """What to keep of each answer for head training (core/train/data.py's shard format)."""
     layers: tuple[int, ...]         # output_hidden_states indices concatenated into a feature
     topk: int                       # teacher logits kept per answer position
 

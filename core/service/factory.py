@@ -8,20 +8,21 @@ from pathlib import Path
 import psutil
 import torch
 
-from core.budget import (GIB, PLANNED_CONTEXT, MemoryBudgetError, ModelShape, Placement, largest_tree,
+from core.config import PLANNED_CONTEXT
+from core.tune.budget import (GIB, MemoryBudgetError, ModelShape, Placement, largest_tree,
                          plan_placement, target_kv_per_token, tree_bytes)
 from core.config import TreeConfig
-from core.cpu_linear import accelerate_cpu
-from core.drafters import PlainDrafter, PromptLookupDrafter
-from core.eagle import EagleDrafter
+from core.runtime.cpu_linear import accelerate_cpu
+from core.spec.drafters import PlainDrafter, PromptLookupDrafter
+from core.spec.eagle import EagleDrafter
 from core.engine import Engine
-from core.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
+from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
-from core.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
+from core.tune.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
                           machine_key, time_draft_steps, twin_fits)
-from core.probe import Probe, load_nvml
-from core.profile import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
-from core.tuner import Acceptance, Pins, Tuner, prior_table
+from core.tune.probe import Probe, load_nvml
+from core.tune.latency import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
+from core.tune.tuner import Acceptance, Pins, Tuner, prior_table
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
 from models.head_config import head_config_for_target
 from models.heads import build_head
@@ -106,7 +107,7 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
 
 
 def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -> KernelChoice:
-    """This machine's kernel choice for `target` (core/kernels.py), measured once and cached, and
+    """This machine's kernel choice for `target` (core/tune/kernels.py), measured once and cached, and
     the target's int4 layers set up for it."""
     key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
            "head": head_identity(spec.head) if strategy == "eagle" else None}

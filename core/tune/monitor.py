@@ -1,6 +1,6 @@
 """What the monitor panel shows: memory by role on each GPU and in RAM, plus CPU load.
 
-A snapshot joins the probe's machine-wide reading (core/probe.py) with what the engine itself
+A snapshot joins the probe's machine-wide reading (core/tune/probe.py) with what the engine itself
 holds: the target's weights, the KV cache, the draft head (its own weights, draft vocabulary and
 cache), and on a GPU the rest of our allocator's share (tree activations and reusable blocks).
 "Others" is what NVML sees used that our allocator does not hold: other programs and our CUDA
@@ -9,7 +9,7 @@ context. No torch types leave this module: the page formats plain numbers (bytes
 
 from dataclasses import dataclass
 
-from core.probe import Probe, Reading
+from core.tune.probe import Probe, Reading
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Snapshot:
 
 
 def storage(t) -> tuple[int, int]:
-    """(identity, bytes) of the memory behind a tensor. oneDNN's packed weights (core/cpu_linear.py)
+    """(identity, bytes) of the memory behind a tensor. oneDNN's packed weights (core/runtime/cpu_linear.py)
     have no storage object: each is its own block."""
     if t.is_mkldnn:
         return id(t), t.numel() * t.element_size()

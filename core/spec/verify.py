@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from core.sampling import sample
-from core.tree import DraftTree, children
+from core.spec.sampling import sample
+from core.spec.tree import DraftTree, children
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
 def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None) -> Acceptance:
     """target_probs (N, V) -> a path and bonus distributed exactly as sampling from the target.
 
-    target_probs must be the distribution plain decoding samples from (`core.sampling.target_probs`).
+    target_probs must be the distribution plain decoding samples from (`core.spec.sampling.target_probs`).
     Siblings are tried in index order. `generator` (None, or on target_probs' device) supplies every
     random draw, so a seed replays a round exactly.
     """

@@ -1,0 +1,1 @@
+"""The target runner and the head step: static KV caches, compiled graphs per size, CPU linears."""

@@ -1,0 +1,1 @@
+"""The chat service the app talks to: building engines, switching models, the torch worker thread."""

@@ -1,0 +1,1 @@
+"""Training draft heads: answers and features, the batch generator, losses, the training loop."""
