@@ -46,7 +46,7 @@ def error_response(error: ApiError) -> JSONResponse:
 def aerie_error(exc: AerieError) -> ApiError:
     """A failure of the service in OpenAI's shape: a prompt too long is the client's to fix."""
     if isinstance(exc, ContextOverflowError):
-        return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+        return ApiError(400, exc.advice("max_tokens"), param="messages", code="context_length_exceeded")
     if isinstance(exc, StrategyUnavailableError):
         return ApiError(400, str(exc), param="aerie.strategy")
     return ApiError(500, str(exc) or type(exc).__name__, type="server_error")
@@ -67,6 +67,18 @@ def check_key(request: Request, api_key: str | None) -> ApiError | None:
         return None
     return ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer KEY' with the key Aerie was started with.",
                     type="authentication_error", code="invalid_api_key")
+
+
+def check_json(request: Request) -> ApiError | None:
+    """A completion's body must be declared JSON. A browser sends text/plain or a form from any
+    site without asking first (a CORS "simple request"); refusing them keeps other sites' pages
+    from making the model work."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
+        return None
+    given = f"not {kind!r}" if kind else "it had no Content-Type"
+    return ApiError(415, f"The body must be sent with 'Content-Type: application/json' ({given}).",
+                    param="content-type", code="unsupported_media_type")
 
 
 async def reply_events(service: Any, req: CompletionRequest, cancel: threading.Event) -> AsyncIterator[ReplyEvent]:
@@ -103,11 +115,25 @@ class Answer:
     stats: ReplyStats = ReplyStats()
     finish: str | None = None
     notices: tuple[str, ...] = ()
+    first: ReplyStats | None = None  # the stats when the first token came: the prefill's end
 
     def add(self, event: ReplyEvent) -> "Answer":
         notices = self.notices + ((event.notice,) if event.notice and event.notice not in self.notices else ())
+        first = self.first or (event.stats if event.stats.new_tokens else None)
         return replace(self, text=self.text + event.delta, stats=event.stats, finish=event.finish or self.finish,
-                       notices=notices)
+                       notices=notices, first=first)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first is None else self.first.elapsed_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after the first: a long prompt's prefill does not dilute it."""
+        if self.first is None:
+            return 0.0
+        tokens, seconds = self.stats.new_tokens - self.first.new_tokens, self.stats.elapsed_s - self.first.elapsed_s
+        return tokens / seconds if seconds > 0 else 0.0
 
 
 def usage(stats: ReplyStats) -> dict:
@@ -116,11 +142,13 @@ def usage(stats: ReplyStats) -> dict:
 
 
 def speculation(answer: Answer) -> dict:
-    """Aerie's own numbers: tokens per second, mean accepted length per target step (the bonus
-    token included), the share of drafted tokens the target accepted, the measured speedup over
-    plain decoding (None until the latency profile knows it), the drafter and the tuner's reason."""
-    s = answer.stats
-    return {"tok_s": round(s.tok_s, 2), "accept_len": round(s.accept_len, 3),
+    """Aerie's own numbers: decode tokens per second (after the first token) and the time to the
+    first token (the prefill), mean accepted length per target step (the bonus token included),
+    the share of drafted tokens the target accepted, the measured speedup over plain decoding
+    (None until the latency profile knows it), the drafter and the tuner's reason."""
+    s, ttft = answer.stats, answer.ttft_s
+    return {"tok_s": round(answer.decode_tok_s, 2), "ttft_s": None if ttft is None else round(ttft, 3),
+            "accept_len": round(s.accept_len, 3),
             "accept_rate": None if s.accept_rate is None else round(s.accept_rate, 3),
             "speedup": None if s.speedup is None else round(s.speedup, 3), "strategy": s.strategy,
             "tuning": s.tuning, "target_steps": s.target_steps, "drafted": s.drafted, "accepted": s.accepted,
@@ -225,12 +253,14 @@ def api_routes(service: Any, api_key: str | None = None, defaults: SamplingConfi
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
-        if denied := check_key(request, api_key):
+        if denied := check_key(request, api_key) or check_json(request):
             return error_response(denied)
         try:
             body = json.loads(await request.body() or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(ApiError(400, f"The request body is not valid JSON: {exc}."))
+        except RecursionError:
+            return error_response(ApiError(400, "The request body is nested too deeply to read."))
         try:
             req = parse_request(body, defaults)
         except ApiError as exc:

@@ -52,10 +52,21 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def unicode_text(text: str, where: str) -> str:
+    """`text` if it is valid Unicode. JSON's \\u escapes can spell half of a surrogate pair
+    ("\\udc80"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(where, f"{where} holds a lone surrogate ({text[exc.start]!r} at character {exc.start}); "
+                         "send valid Unicode text.") from None
+    return text
+
+
 def message_text(content: Any, where: str) -> str:
     """A message's content: a string, or a list of text parts (other parts are refused)."""
     if isinstance(content, str):
-        return content
+        return unicode_text(content, where)
     if content is None:
         return ""
     if not isinstance(content, list):
@@ -65,7 +76,7 @@ def message_text(content: Any, where: str) -> str:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise bad(where, f"{where} has a {kind!r} part; Aerie reads only text parts.")
-        texts.append(part["text"])
+        texts.append(unicode_text(part["text"], where))
     return "".join(texts)
 
 
@@ -93,6 +104,11 @@ def parse_messages(body: dict) -> tuple[tuple[dict, ...], str]:
     return tuple(turns), "\n\n".join(system)
 
 
+def readable(value: float) -> str:
+    """A bound as people write it: 1,000,000 and 9,223,372,036,854,775,807, not 1e+06."""
+    return f"{int(value):,}" if value == int(value) else f"{value:,}"
+
+
 def number(body: dict, name: str, low: float, high: float, whole: bool = False) -> float | int | None:
     """body[name] checked to lie in [low, high]; None when absent or null."""
     value = body.get(name)
@@ -103,7 +119,7 @@ def number(body: dict, name: str, low: float, high: float, whole: bool = False) 
             or (whole and value != int(value)):
         raise bad(name, f"'{name}' must be {kind}, got {value!r}.")
     if not low <= value <= high:
-        raise bad(name, f"'{name}' must be from {low:g} to {high:g}, got {value!r}.")
+        raise bad(name, f"'{name}' must be from {readable(low)} to {readable(high)}, got {value!r}.")
     return int(value) if whole else float(value)
 
 
@@ -131,7 +147,7 @@ def parse_stop(body: dict) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
         raise bad("stop", f"'stop' must be a string or a list of at most {MAX_STOPS} strings.")
-    return tuple(dict.fromkeys(s for s in stops if s))
+    return tuple(dict.fromkeys(unicode_text(s, "stop") for s in stops if s))
 
 
 def parse_extension(body: dict) -> str | None:

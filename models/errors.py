@@ -22,7 +22,19 @@ class HeadMismatchError(AerieError):
 
 
 class ContextOverflowError(AerieError):
-    """The prompt cannot fit in the model's context even after trimming old turns."""
+    """The prompt cannot fit in the model's context even after trimming old turns. With
+    `answer_room`, a shorter answer would leave the prompt more room: `advice(setting)` says so in
+    the caller's words (the page's "max new tokens", the API's max_tokens); str() is the page's."""
+
+    def __init__(self, message: str, answer_room: bool = False):
+        super().__init__(message)
+        self.answer_room = answer_room
+
+    def advice(self, setting: str) -> str:
+        return f"{self.args[0]} Shorten it, or lower {setting}." if self.answer_room else self.args[0]
+
+    def __str__(self) -> str:
+        return self.advice("'max new tokens'")
 
 
 class OutOfMemoryError(AerieError):
