@@ -14,6 +14,7 @@ its drafted text marked when `highlight` (the page's checkbox) is on.
 import logging
 import math
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ import gradio as gr
 
 from app import answers, handlers
 from app.handlers import Cancels, Chat
+from app.private import write_private
 from app.store import ChatNotFoundError, ChatStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 # While an answer streams it is saved at most this often (and always when it ends, stops or
 # fails): killing the app loses at most the text shown in the last half second.
 SAVE_EVERY_S = 0.5
+# An export's own file is deleted at the next export this long after it was written: by then
+# Gradio has copied it into its cache (which ui.EXPORT_CACHE sweeps) and serves that copy.
+EXPORT_KEEP_S = 60.0
 EXPORTS = {"json": (ChatStore.export_json, ".json"), "markdown": (ChatStore.export_markdown, ".md")}
 
 
@@ -248,8 +253,10 @@ def delete(store: ChatStore, chat_id: int | None, highlight: bool = False) -> tu
         return _skip_view()
 
 
-def export(store: ChatStore, fmt: str, chat_id: int | None) -> dict:
-    """Write the chat shown as a JSON or Markdown file and offer it for download."""
+def export(store: ChatStore, folder: Path, fmt: str, chat_id: int | None) -> dict:
+    """Write the chat shown as a JSON or Markdown file (0600, in its own folder under the private
+    `folder`) and offer it for download. Gradio copies it into its cache as the event returns,
+    so older exports' files, long since copied, are deleted here."""
     if chat_id is None:
         handlers.toast("info", "There is nothing to export yet: send a message first.")
         return gr.skip()
@@ -257,9 +264,16 @@ def export(store: ChatStore, fmt: str, chat_id: int | None) -> dict:
     try:
         text = write(store, chat_id)
         name = re.sub(r"[^\w-]+", "-", store.chat(chat_id).title).strip("-")[:60] or "chat"
-        path = Path(tempfile.mkdtemp(prefix="aerie-export-")) / f"{name}{suffix}"
-        path.write_text(text, encoding="utf-8")
+        drop_old_exports(folder, time.time() - EXPORT_KEEP_S)
+        path = write_private(Path(tempfile.mkdtemp(prefix="export-", dir=folder)) / f"{name}{suffix}", text)
     except (StoreError, OSError) as exc:
         handlers.report(exc, "export the chat")
         return gr.skip()
     return gr.update(value=str(path), visible=True)
+
+
+def drop_old_exports(folder: Path, before: float) -> None:
+    """Delete the export folders made before `before` (Unix seconds)."""
+    for old in folder.glob("export-*"):
+        if old.stat().st_mtime < before:
+            shutil.rmtree(old)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+from app.private import FILE_MODE, narrow, private_file, private_folder
 from core.errors import AerieError
 
 log = logging.getLogger(__name__)
@@ -118,14 +119,23 @@ def _exported(m: Message) -> dict:
 
 
 class ChatStore:
-    """Chats and their messages in the SQLite file at `path` (created with its folder)."""
+    """Chats and their messages in the SQLite file at `path`, created with its folder. The chats
+    are the user's alone: the folder is made (or narrowed to) 0700 and the file, with SQLite's
+    -wal and -shm beside it, 0600; SQLite gives the files it makes the database file's mode."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_folder(self.path.parent)
         except OSError as e:
             raise StoreError(f"Cannot create the folder for saved chats {self.path.parent}: {e.strerror or e}.") from e
+        try:
+            private_file(self.path)
+            for sidecar in (self.path.with_name(self.path.name + end) for end in ("-wal", "-shm")):
+                if sidecar.exists():
+                    narrow(sidecar, FILE_MODE)
+        except OSError as e:
+            raise StoreError(f"Cannot make the saved chats {self.path} private: {e.strerror or e}.") from e
         self._migrate()
 
     # ------------------------------------------------------------ connections

@@ -18,12 +18,16 @@ from typing import Any
 import gradio as gr
 
 from app import chats, compare, handlers, model_panel, monitor, saved_settings
+from app.private import private_temp_dir
 from app.store import ChatStore
 from core.config import SamplingConfig
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 ENGINE = "engine"  # one concurrency group: one answer or model load at a time, across all tabs
 MONITOR_S = 2.0    # seconds between monitor refreshes
+# Gradio's copies of exported chats: every minute, those older than ten minutes are deleted (a
+# download follows its export within seconds), and all of them when the server stops.
+EXPORT_CACHE = (60, 600)
 # Delete asks first; declining sends no chat id, and chats.delete then does nothing.
 CONFIRM_DELETE = ("(chat, highlight) => [chat !== null && confirm('Delete this chat? This cannot be undone.') "
                   "? chat : null, highlight]")
@@ -164,9 +168,9 @@ def _chats_panel() -> SimpleNamespace:
                            lock=[chat_list, new, delete])  # the order of chats.controls
 
 
-def _wire_chats(demo: gr.Blocks, store: ChatStore, p: SimpleNamespace, answers: list) -> None:
-    """The Chats panel's events; `answers` are the respond and regenerate events, which save
-    into the chat shown and lock the panel while they run."""
+def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNamespace, answers: list) -> None:
+    """The Chats panel's events, exports written under `exports`; `answers` are the respond and
+    regenerate events, which save into the chat shown and lock the panel while they run."""
     c, private = p.chats, {"api_visibility": "private"}
     view = [c.list, p.chatbot, p.stats, c.title, c.exported]  # the order of a chats view
     # Unqueued: a click on New chat or a message sent right after the page opens must not be
@@ -179,8 +183,8 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, p: SimpleNamespace, answers: 
           outputs=[c.list, c.title], **private)
     c.delete.click(bind(chats.delete, store), inputs=[c.list, p.highlight], outputs=view, js=CONFIRM_DELETE,
                    **private)
-    c.export_json.click(bind(chats.export, store, "json"), inputs=c.list, outputs=c.exported, **private)
-    c.export_md.click(bind(chats.export, store, "markdown"), inputs=c.list, outputs=c.exported, **private)
+    c.export_json.click(bind(chats.export, store, exports, "json"), inputs=c.list, outputs=c.exported, **private)
+    c.export_md.click(bind(chats.export, store, exports, "markdown"), inputs=c.list, outputs=c.exported, **private)
     quick = {"queue": False, **private}
     gr.on([p.textbox.submit, p.send.click, p.regen.click, p.ab.click], lambda: chats.controls("answering"),
           outputs=c.lock, **quick)
@@ -266,12 +270,14 @@ def _wire_monitor(demo: gr.Blocks, service: Any, store: ChatStore, m: SimpleName
 
 
 def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = None, *,
-             store: ChatStore) -> gr.Blocks:
+             store: ChatStore, exports: Path | None = None) -> gr.Blocks:
     """The chat page for `service` (see app/handlers.py for what it must offer), with the chats
-    saved in `store`, queued so that one answer or model load runs at a time."""
+    saved in `store`, queued so that one answer or model load runs at a time. Exports are written
+    under `exports`, a private folder (default: a new one, removed at exit)."""
     d = _as_defaults(defaults)
     cancels = handlers.Cancels()
-    with gr.Blocks(title="Aerie", fill_height=True, analytics_enabled=False) as demo:
+    exports = exports if exports is not None else private_temp_dir("aerie-exports-")
+    with gr.Blocks(title="Aerie", fill_height=True, analytics_enabled=False, delete_cache=EXPORT_CACHE) as demo:
         with gr.Sidebar(label="Aerie", open=True, width=340):
             saved = _chats_panel()
             settings = _settings_panel(service, d)
@@ -282,7 +288,7 @@ def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = Non
             page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings,
                                    loads=handlers.Cancels(),
                                    chats=saved)
-        _wire_chats(demo, store, page, _wire(service, store, cancels, page))
+        _wire_chats(demo, store, exports, page, _wire(service, store, cancels, page))
         _wire_monitor(demo, service, store, gauges, saved.list)
         _wire_saved_settings(demo, settings)
     return demo.queue(default_concurrency_limit=1)

@@ -2,7 +2,9 @@
 scripted FakeService of test_ui_handlers and a store in tmp_path."""
 
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -259,22 +261,33 @@ def test_delete_switches_to_the_most_recent_chat_left(store):
     assert chats.delete(store, None) == (gr.skip(),) * 5  # declined, or a chat not yet saved
 
 
-def test_export_writes_downloadable_files(store, toasts):
+def test_export_writes_downloadable_files(store, toasts, tmp_path):
     chat = store.create_chat("Trip: Lisbon/Porto?")
     store.sync(chat.id, [{"role": "user", "content": "Plan it"}, {"role": "assistant", "content": "Day 1"}])
-    as_json = chats.export(store, "json", chat.id)
+    as_json = chats.export(store, tmp_path, "json", chat.id)
     path = Path(as_json["value"])
     assert as_json["visible"] is True and path.name == "Trip-Lisbon-Porto.json"
     assert json.loads(path.read_text(encoding="utf-8"))["messages"][1]["content"] == "Day 1"
-    as_md = Path(chats.export(store, "markdown", chat.id)["value"])
+    as_md = Path(chats.export(store, tmp_path, "markdown", chat.id)["value"])
     assert as_md.suffix == ".md" and as_md.read_text(encoding="utf-8").startswith("# Trip: Lisbon/Porto?")
-    assert chats.export(store, "json", None) == gr.skip() and toasts[-1][0] == "info"
+    assert chats.export(store, tmp_path, "json", None) == gr.skip() and toasts[-1][0] == "info"
 
 
-def test_showing_another_chat_hides_the_export_of_the_last_one(store, toasts):
+@pytest.mark.skipif(os.name == "nt", reason="POSIX modes")
+def test_exports_are_private_and_old_ones_are_deleted(store, tmp_path, monkeypatch):
+    chat = store.create_chat("Secret")
+    store.sync(chat.id, [{"role": "user", "content": "my plans"}])
+    first = Path(chats.export(store, tmp_path, "json", chat.id)["value"])
+    assert stat.S_IMODE(first.stat().st_mode) == 0o600 and stat.S_IMODE(first.parent.stat().st_mode) == 0o700
+    monkeypatch.setattr(chats, "EXPORT_KEEP_S", -1.0)  # every earlier export counts as copied already
+    second = Path(chats.export(store, tmp_path, "markdown", chat.id)["value"])
+    assert second.is_file() and not first.parent.exists()
+
+
+def test_showing_another_chat_hides_the_export_of_the_last_one(store, toasts, tmp_path):
     a, b = store.create_chat("A"), store.create_chat("B")
     store.sync(a.id, [{"role": "user", "content": "in A"}])
-    assert chats.export(store, "json", a.id)["visible"] is True
+    assert chats.export(store, tmp_path, "json", a.id)["visible"] is True
     hidden = {"__type__": "update", "value": None, "visible": False}
     assert chats.switch(store, b.id)[4] == hidden
     assert chats.new_chat(store)[4] == hidden  # New chat, and the chatbot's trash button

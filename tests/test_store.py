@@ -1,7 +1,9 @@
 """The chat store (app/store.py): operations, export formats, persistence, and surviving a kill."""
 
 import json
+import os
 import signal
+import stat
 import sqlite3
 import subprocess
 import sys
@@ -218,3 +220,26 @@ def test_a_killed_writer_keeps_every_committed_answer_text(tmp_path):
 ])
 def test_default_store_path(platform, env, expected):
     assert default_store_path(env, platform, Path("/home/me")) == Path(expected)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX modes")
+def test_the_store_is_readable_by_the_user_alone(tmp_path):
+    path = tmp_path / "new" / "chats.sqlite3"
+    store = ChatStore(path)
+    store.append(store.create_chat().id, "user", "private")
+    for file in (path, *path.parent.glob("chats.sqlite3-*")):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX modes")
+def test_an_existing_store_with_wide_modes_is_narrowed(tmp_path):
+    path = tmp_path / "old" / "chats.sqlite3"
+    store = ChatStore(path)
+    store.append(store.create_chat().id, "user", "private")
+    os.chmod(path.parent, 0o755)
+    for file in path.parent.iterdir():
+        os.chmod(file, 0o644)
+    assert ChatStore(path).chats()
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(f.stat().st_mode) for f in path.parent.iterdir()} == {0o600}
