@@ -32,6 +32,7 @@ class ServedAnswer:
     seconds: float       # wall clock: request sent to the stream's [DONE]
     server_s: float      # the server's own time for the answer (aerie.elapsed_s: prompt to last token)
     strategy: str        # the drafter the server decoded with
+    speedup: float | None  # the speedup over plain the page shows for it (aerie.speedup, ReplyStats.speedup)
 
 
 @dataclass
@@ -43,12 +44,14 @@ class ServedTally:
     answers: int = 0
     same_text: int = 0   # answers whose text is the bench's for the same prompt
     strategies: Counter = field(default_factory=Counter)
+    shown: list[float] = field(default_factory=list)  # each answer's shown speedup, where it had one
 
     def add(self, answer: ServedAnswer, same: bool) -> None:
         self.tokens, self.seconds = self.tokens + answer.tokens, self.seconds + answer.seconds
         self.server_s, self.answers = self.server_s + answer.server_s, self.answers + 1
         self.same_text += int(same)
         self.strategies[answer.strategy] += 1
+        self.shown += [answer.speedup] if answer.speedup is not None else []
 
     @property
     def tok_s(self) -> float:
@@ -56,10 +59,12 @@ class ServedTally:
 
     def entry(self, bench_tok_s: float) -> dict:
         """The JSON line's `served`: wall-clock tok/s and its ratio to the bench's; the server's
-        own tok/s tells time inside the service from time in the stream and the client."""
+        own tok/s tells time inside the service from time in the stream and the client. The mean
+        speedup the page showed is to be held against the bench's measured speedup_vs_plain."""
         return {"tok_s": round(self.tok_s, 2), "vs_bench": round(self.tok_s / bench_tok_s, 3) if bench_tok_s else None,
                 "server_tok_s": round(self.tokens / self.server_s, 2) if self.server_s > 0 else None,
-                "same_text": f"{self.same_text}/{self.answers}", "strategies_used": dict(self.strategies)}
+                "same_text": f"{self.same_text}/{self.answers}", "strategies_used": dict(self.strategies),
+                "shown_speedup": round(sum(self.shown) / len(self.shown), 3) if self.shown else None}
 
 
 class ServedClient:
@@ -88,7 +93,8 @@ class ServedClient:
         seconds = time.perf_counter() - t0
         if usage is None or stats is None:
             raise AerieError(f"The server at {self.url} ended a stream without its usage or statistics.")
-        return ServedAnswer("".join(pieces), usage["completion_tokens"], seconds, stats["elapsed_s"], stats["strategy"])
+        return ServedAnswer("".join(pieces), usage["completion_tokens"], seconds, stats["elapsed_s"], stats["strategy"],
+                            stats["speedup"])
 
 
 def sse_events(lines):
