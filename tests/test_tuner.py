@@ -14,7 +14,8 @@ from core.config import TreeConfig
 from core.tune.probe import Probe
 from core.tune.latency import LatencyProfile, interpolate, monotone
 from core.spec.tree import make_tree
-from core.tune.tuner import MIN_DRAFTS, Acceptance, Meter, Pins, Tuner, Turn, best_shape, node_values, prior_table
+from core.tune.tuner import (MIN_DRAFTS, PROBE_EVERY, Acceptance, Meter, Pins, Tuner, Turn, best_shape, node_values,
+                              prior_table)
 from core.spec.verify import Acceptance as Accepted, path_offers
 
 LLAMA2_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096,
@@ -205,14 +206,14 @@ def slow_turn(t: Tuner, speedup: float, strategy="eagle") -> None:
 def test_ladder_steps_down_after_two_slow_turns():
     t = tuner()
     assert t.plan(100).rung == "tree"
-    slow_turn(t, 0.9)
-    assert t.plan(100).rung == "tree"        # one slow turn is not enough
+    slow_turn(t, 1.02)
+    assert t.plan(100).rung == "tree"        # one turn a little short of DEMOTE_BELOW is not enough
     slow_turn(t, 1.2)
-    slow_turn(t, 0.9)
+    slow_turn(t, 1.02)
     assert t.plan(100).rung == "tree"        # a fast turn in between resets the count
-    slow_turn(t, 0.9)
+    slow_turn(t, 1.02)
     plan = t.plan(100)
-    assert plan.rung == "chain" and plan.tree.top_k == 1 and "measured 0.90x" in plan.reason
+    assert plan.rung == "chain" and plan.tree.top_k == 1 and "measured 1.02x" in plan.reason
     for _ in range(2):
         slow_turn(t, 1.0)
     assert t.plan(100).rung == "prompt_lookup"
@@ -222,6 +223,64 @@ def test_ladder_steps_down_after_two_slow_turns():
     for _ in range(4):
         slow_turn(t, 0.5, "plain")
     assert t.plan(100).rung == "plain"       # the bottom rung stays
+
+
+def test_a_turn_slower_than_plain_leaves_the_rung_at_once():
+    t = tuner()
+    slow_turn(t, 0.9)
+    plan = t.plan(100)
+    assert plan.rung == "chain" and "measured 0.90x plain for 1 turn" in plan.reason
+
+
+ENGINE = SimpleNamespace(set_drafter=lambda drafter: None)
+
+
+def live_tuner() -> Tuner:
+    """A tuner whose prepare() can run: drafters that take a shape, an engine that takes a drafter."""
+    t = tuner()
+    t.drafters = {name: SimpleNamespace(reshape=lambda tree: None) for name in t.drafters}
+    return t
+
+
+def turn(t: Tuner, speedup: float, tokens: int = 64) -> str:
+    """One planned turn measured at `speedup`, as the chat service runs it; -> the rung it ran on."""
+    plan = t.prepare(ENGINE, 100)
+    plain_ms = t.profile.plain_ms(100)
+    t.end_turn(Turn(plan.strategy, tokens, tokens * plain_ms / 1000 / speedup, plain_ms))
+    return plan.rung
+
+
+def test_a_lower_rung_probes_the_rung_above_and_climbs_back_when_it_wins():
+    """A busy minute made EAGLE's tree lose twice; it must not stay on the chain for good."""
+    t = live_tuner()
+    assert turn(t, 0.9) == "tree"
+    assert [turn(t, 1.2) for _ in range(PROBE_EVERY)] == ["chain"] * PROBE_EVERY
+    plan = t.plan(100)
+    assert plan.rung == "tree" and f"probing EAGLE tree again after {PROBE_EVERY} turns" in plan.reason
+    assert turn(t, 1.3) == "tree"                # the probe wins...
+    assert turn(t, 1.3) == "tree" and "probed at 1.30x plain: back up" in t.plan(100).reason  # ...and it stays
+
+
+def test_a_lost_probe_keeps_the_rung_and_probes_again_later():
+    t = live_tuner()
+    for _ in range(3):                           # tree -> chain -> prompt lookup -> plain, each slower than plain
+        turn(t, 0.8)
+    assert t.plan(100).rung == "plain"
+    assert [turn(t, 1.0) for _ in range(PROBE_EVERY)] == ["plain"] * PROBE_EVERY
+    assert turn(t, 0.7, tokens=5) == "prompt_lookup"  # too short to judge: the probe stays due
+    assert turn(t, 0.7) == "prompt_lookup"       # measured slower than plain: lost
+    assert [turn(t, 1.0) for _ in range(PROBE_EVERY)] == ["plain"] * PROBE_EVERY  # not settled on the loser
+    assert turn(t, 1.1) == "prompt_lookup"       # probed again PROBE_EVERY turns later, and won
+    assert t.plan(100).rung == "prompt_lookup"
+
+
+def test_a_lost_probe_does_not_demote_the_rung_below():
+    t = live_tuner()
+    turn(t, 0.9)                                 # on the chain now
+    for _ in range(PROBE_EVERY):
+        turn(t, 1.2)
+    assert turn(t, 0.5) == "tree"                # the probe loses badly...
+    assert t.plan(100).rung == "chain"           # ...the chain, measured fast, is kept
 
 
 def test_short_turns_do_not_move_the_ladder():

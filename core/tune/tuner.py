@@ -14,9 +14,16 @@ Plain decoding costs profile.plain_ms(context) per token, so predicted speedup =
 
 The ladder: tree -> chain -> prompt lookup -> plain. A rung is left when its measured speedup
 (tokens per second of engine time in the rounds after the prefill, times plain decoding's time
-per token: see `Meter`) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, or when
-the model predicts the EAGLE rung cannot beat plain decoding. The user's pins (strategy, depth,
-top_k, total_tokens, a static tree) are never overridden.
+per token: see `Meter`) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, at once when
+a turn measures it slower than plain (below `SLOWER_THAN_PLAIN`), or when the model predicts the
+EAGLE rung cannot beat plain decoding. The user's pins (strategy, depth, top_k, total_tokens, a
+static tree) are never overridden.
+
+Stepping down is not for ever: a busy minute slows every rung, and the load correction cannot
+tell all of it apart. After `PROBE_EVERY` measured turns below the top, one turn tries the rung
+above again (a probe); measured at `DEMOTE_BELOW` or more, the ladder climbs back to it, else it
+stays and probes again `PROBE_EVERY` turns later. A probe that loses costs one turn in
+PROBE_EVERY + 1; one that wins recovers the speedup for the rest of the chat.
 """
 
 from dataclasses import dataclass, field
@@ -34,6 +41,8 @@ RANKS = RANKED                      # sibling ranks whose acceptance is learned 
 RANK_DECAY = 0.3                    # prior: rank r+1 is accepted 0.3x as often as rank r
 PRIOR_STRENGTH = 8.0                # the prior counts as this many observed offers per (depth, rank)
 DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
+SLOWER_THAN_PLAIN = 1.0             # a turn measured below this leaves its rung at once
+PROBE_EVERY = 8                     # measured turns on a lower rung before one turn tries the rung above
 MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
 LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt lookup", "plain": "plain decoding"}
 
@@ -219,12 +228,16 @@ class Tuner:
         rungs = list(dict.fromkeys(rungs))
         self.rungs, self.rung = rungs, 0
         self.low_turns, self.demoted = 0, ""   # turns in a row below DEMOTE_BELOW; why the last rung was left
+        self.since_probe = 0                   # measured turns on this rung since it was reached or last probed
+        self.trial: int | None = None          # the rung above that the planned turn probes
         self.turns: list[Turn] = []
         self.draft_clock = DraftClock()
 
     def prepare(self, engine, context: float) -> Plan:
         """Plan the next turn and set the engine up for it."""
         plan = self.plan(context)
+        index = self.rungs.index(plan.rung)
+        self.trial = index if index < self.rung else None
         engine.set_drafter(self.drafters[plan.strategy])
         if plan.tree is not None:
             self.drafters["eagle"].reshape(plan.tree)
@@ -234,7 +247,11 @@ class Tuner:
         plain_ms, scale = self.profile.plain_ms(context), self.draft_clock.scale
         clock = f"drafts measured {scale:.1f}x the profile's time" if not 2 / 3 < scale < 3 / 2 else ""
         note = "; ".join(filter(None, [self.demoted, clock]))
-        for index in range(self.rung, len(self.rungs)):
+        top = self.rung - 1 if self.probe_due else self.rung
+        if top < self.rung:
+            note = "; ".join(filter(None, [f"probing {LABELS[self.rungs[top]]} again after {self.since_probe} turns "
+                                           f"on {LABELS[self.rungs[self.rung]]}", note]))
+        for index in range(top, len(self.rungs)):
             rung = self.rungs[index]
             if rung not in ("tree", "chain"):
                 return Plan(rung, None, None, self._why(rung, plain_ms, context, note))
@@ -268,15 +285,29 @@ class Tuner:
         dynamic = strategy == "eagle" and eagle is not None and eagle.tree.choices is None
         return Meter(self.profile, strategy, prompt_len, tree=eagle.tree if dynamic else None)
 
+    @property
+    def probe_due(self) -> bool:
+        """Whether the next turn tries the rung above (a pinned ladder has one rung: never)."""
+        return self.rung > 0 and self.since_probe >= PROBE_EVERY
+
     def end_turn(self, turn: Turn) -> None:
-        """Record a finished turn; step down the ladder after DEMOTE_TURNS slow turns in a row."""
+        """Record a finished turn; step down the ladder after slow turns, back up after a won probe."""
         self.turns.append(turn)
         self.draft_clock.add(turn)
-        measured = turn.speedup
-        if measured is None or turn.tokens < MIN_TURN_TOKENS or self.rungs[self.rung] == "plain":
+        measured, trial, self.trial = turn.speedup, self.trial, None
+        if measured is None or turn.tokens < MIN_TURN_TOKENS:
+            return  # too short to judge: a due probe stays due
+        if trial is not None:
+            self.since_probe = 0
+            if measured >= DEMOTE_BELOW:
+                self.demoted = f"{LABELS[self.rungs[trial]]} probed at {measured:.2f}x plain: back up"
+                self.rung, self.low_turns = trial, 0
+            return  # a lost probe says nothing about the rung the ladder stays on
+        self.since_probe += 1
+        if self.rungs[self.rung] == "plain":
             return
         self.low_turns = self.low_turns + 1 if measured < DEMOTE_BELOW else 0
-        if self.low_turns >= DEMOTE_TURNS and self.rung < len(self.rungs) - 1:
+        if (self.low_turns >= DEMOTE_TURNS or measured < SLOWER_THAN_PLAIN) and self.rung < len(self.rungs) - 1:
             self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {measured:.2f}x plain "
-                            f"for {self.low_turns} turns (< {DEMOTE_BELOW})")
-            self.rung, self.low_turns = self.rung + 1, 0
+                            f"for {self.low_turns} turn{'s' if self.low_turns > 1 else ''} (< {DEMOTE_BELOW})")
+            self.rung, self.low_turns, self.since_probe = self.rung + 1, 0, 0
