@@ -22,7 +22,7 @@ from core.errors import ContextOverflowError, OutOfMemoryError
 from core.spec.sampling import sample, target_probs
 from core.spec.drafters import PlainDrafter
 from core.runtime.runner import RunnerConfig, TargetRunner, Verified
-from core.spec.tree import DraftTree
+from core.spec.tree import Draft, DraftTree
 from core.spec.verify import Acceptance, accept_greedy, accept_sampled, path_offers
 from models.target import Target
 
@@ -52,7 +52,11 @@ class Drafter(Protocol):
         the drafter's state and return how many leading tokens the target may keep (<= common)."""
         ...
 
-    def draft(self, context: list[int], fresh: Verified) -> DraftTree:
+    def memory_bytes(self, borrowed: set[int]) -> int:
+        """Bytes the drafter holds beyond the storages in `borrowed` (the target's), for the monitor."""
+        ...
+
+    def draft(self, context: list[int], fresh: Verified) -> Draft:
         """`fresh` holds the target's outputs for the last T committed positions before the root
         (the prefill's new tokens, or the root and accepted path of the last round)."""
         ...
@@ -154,7 +158,8 @@ class Engine:
              rng: torch.Generator) -> "Round":
         """One speculative round: draft -> verify -> accept -> commit."""
         t0 = time.perf_counter()
-        tree = self.drafter.draft(context, verified)
+        draft = self.drafter.draft(context, verified)
+        tree = draft.tree
         t1 = time.perf_counter()
         verified = self.verify(tree)
         if self.device.type == "cuda":
@@ -164,7 +169,7 @@ class Engine:
         self.commit(acceptance, tree)
         t3 = time.perf_counter()
         result = StepResult(tuple(acceptance.new_tokens), acceptance.accepted, tree.max_depth, tree.size,
-                            t1 - t0, t2 - t1, t3 - t2, offers=path_offers(tree, acceptance, getattr(self.drafter, "root_ranking", None)),
+                            t1 - t0, t2 - t1, t3 - t2, offers=path_offers(tree, acceptance, draft.ranking),
                             near_ties=self.near_ties(verified.logits[acceptance.nodes.to(verified.logits.device)], sampling))
         return Round(result, kept(verified, acceptance.nodes))
 

@@ -82,7 +82,7 @@ def test_static_tree_follows_the_head_ranks():
 
     def first_tree(tree_config):
         engine = Engine(tiny_target(model), EagleDrafter(head, 4, tree_config))
-        return engine.drafter.draft([1, 2, 3, 4, 9], engine.prefill([1, 2, 3, 4]))
+        return engine.drafter.draft([1, 2, 3, 4, 9], engine.prefill([1, 2, 3, 4])).tree
 
     static = first_tree(TreeConfig(choices=((0,), (1,), (0, 0), (0, 1), (0, 0, 0))))
     dynamic = first_tree(TreeConfig(depth=0, top_k=2, total_tokens=3))  # the root's top-2 children
@@ -103,7 +103,7 @@ def test_a_draft_vocabulary_restricts_drafts_and_stays_lossless(tmp_path):
     drafter = EagleDrafter(head, 4, TreeConfig(3, 4, 12), vocab)
     engine = Engine(tiny_target(model), drafter)
     assert run(engine, prompt, SamplingConfig(max_new_tokens=30)) == plain
-    tree = drafter.draft(prompt + [plain[0]], engine.prefill(prompt))
+    tree = drafter.draft(prompt + [plain[0]], engine.prefill(prompt)).tree
     assert all(t % 2 == 0 for t in tree.tokens[1:].tolist())
 
 

@@ -10,7 +10,8 @@ from app import monitor
 from app.store import ChatStore
 from core.service.chat import ChatService
 from core.config import ReplyStats, SamplingConfig
-from core.tune.monitor import engine_memory, gpu_bars, snapshot, storage, tensor_bytes
+from core.runtime.memory import storage, tensor_bytes
+from core.tune.monitor import engine_memory, gpu_bars, snapshot
 from core.tune.probe import GpuReading, Probe
 from core.tune.latency import cached_profile
 from tests.conftest import load_tuned_tiny

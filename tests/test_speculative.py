@@ -8,6 +8,7 @@ import torch
 
 from core.config import SamplingConfig
 from core.spec.drafters import PromptLookupDrafter, trie_tree
+from core.spec.tree import Draft
 from core.engine import Engine
 from tests.conftest import tiny_llama, tiny_target
 
@@ -25,6 +26,9 @@ class OracleDrafter:
     def rewind(self, common: int) -> int:
         return common
 
+    def memory_bytes(self, borrowed: set[int]) -> int:
+        return 0
+
     def draft(self, context, fresh):
         branches = []
         for _ in range(self.rng.randint(0, 4)):
@@ -34,7 +38,7 @@ class OracleDrafter:
             keep = self.rng.randint(0, len(good))
             branch = good[:keep] + [self.rng.randrange(self.vocab) for _ in range(depth - keep)]
             branches.append(branch)
-        return trie_tree(context[-1], branches)
+        return Draft(trie_tree(context[-1], branches))
 
 
 def run(engine, prompt, sampling):
@@ -80,7 +84,7 @@ def test_prompt_lookup_proposes_the_latest_continuations():
     d = PromptLookupDrafter()
     ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
     assert d.continuations(ctx) == [[5, 6, 1, 2, 3], [4, 9, 1, 2, 3, 5, 6, 1]]
-    tree = d.draft(ctx, None)
+    tree = d.draft(ctx, None).tree
     assert tree.tokens[0] == 3 and tree.size == 1 + 5 + 8
     assert PromptLookupDrafter().continuations([7, 1, 8, 2, 9, 1]) == []  # a lone 1-gram match is not enough
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.spec.tree import DraftTree, make_tree, root_only
+from core.spec.tree import Draft, DraftTree, make_tree, root_only
 
 
 class PlainDrafter:
@@ -22,8 +22,11 @@ class PlainDrafter:
     def rewind(self, common: int) -> int:
         return common
 
-    def draft(self, context: list[int], fresh) -> DraftTree:
-        return root_only(context[-1])
+    def memory_bytes(self, borrowed: set[int]) -> int:
+        return 0
+
+    def draft(self, context: list[int], fresh) -> Draft:
+        return Draft(root_only(context[-1]))
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class PromptLookupDrafter:
         self.indexed = 1        # positions end < indexed are in the index
         return common
 
+    def memory_bytes(self, borrowed: set[int]) -> int:
+        return 0  # its index lives in Python objects, a few bytes per token of the chat
+
     def _extend(self, context: list[int]) -> None:
         """Index every n-gram that ends just before a position we have not indexed yet; within one
         generation the context only grows, so this touches the new tokens only."""
@@ -79,8 +85,8 @@ class PromptLookupDrafter:
                 return found
         return []
 
-    def draft(self, context: list[int], fresh) -> DraftTree:
-        return trie_tree(context[-1], self.continuations(context))
+    def draft(self, context: list[int], fresh) -> Draft:
+        return Draft(trie_tree(context[-1], self.continuations(context)))
 
 
 def trie_tree(root: int, sequences: list[list[int]]) -> DraftTree:

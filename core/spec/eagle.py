@@ -23,7 +23,8 @@ import torch
 from core.config import PLANNED_CONTEXT
 from core.config import TreeConfig
 from core.runtime.head_step import HeadStep
-from core.spec.tree import DraftTree, chain_tree, expand_frontier, make_tree, rerank, static_shape
+from core.runtime.memory import storage, tensor_bytes
+from core.spec.tree import Draft, DraftTree, chain_tree, expand_frontier, make_tree, rerank, static_shape
 from models.cpu_quant import quantize_cpu, quantized
 from models.errors import UnsupportedModelError
 
@@ -51,7 +52,6 @@ class EagleDrafter:
         self.feature_layers = head.feature_layers(num_target_layers)
         self.step = HeadStep(head, self.log_probs, context)  # compiled, if at all, in warm_up
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
-        self.root_ranking: torch.Tensor | None = None  # (R,) target ids, the last root's best drafts
         self.reshape(tree)
 
     def shrink(self, quant: str) -> None:
@@ -95,14 +95,16 @@ class EagleDrafter:
         self.rewind(0)
 
     @torch.inference_mode()
-    def draft(self, context: list[int], fresh) -> DraftTree:
-        self.root_ranking = None
+    def draft(self, context: list[int], fresh) -> Draft:
         k = fresh.features.shape[0]
         assert self.head_len == len(context) - 1 - k, (self.head_len, len(context), k)
         last, last_logp = self.catch_up(fresh.features, context[-k:])   # (H,), (Vd,)
-        if self.static is None:
-            return self.grow(context[-1], last, last_logp)
-        return self.grow_static(context[-1], last, last_logp)  # drafted nodes stay past head_len: forgotten
+        if self.static is None:  # drafted nodes stay past head_len: the next round writes over them
+            # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
+            # each rank, including ranks this round's tree left out (path_offers).
+            ranking = self.to_target_ids(last_logp.topk(min(RANKED, last_logp.shape[-1])).indices)  # (R,)
+            return Draft(self.grow(context[-1], last, last_logp), ranking)
+        return Draft(self.grow_static(context[-1], last, last_logp))
 
     def catch_up(self, features: torch.Tensor, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the committed pairs (features (K, F), tokens (K,)); -> the last output (H,) and its
@@ -117,9 +119,6 @@ class EagleDrafter:
 
     def grow(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
         """EAGLE-2's dynamic tree from the root's head output and its log-probs (a chain for top_k 1)."""
-        # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
-        # each rank, including ranks this round's tree left out (path_offers).
-        self.root_ranking = self.to_target_ids(root_logp.topk(min(RANKED, root_logp.shape[-1])).indices)  # (R,)
         if self.tree.top_k == 1:
             return self.grow_chain(root, root_out, root_logp)
         return self.grow_tree(root, root_out, root_logp)
@@ -191,6 +190,14 @@ class EagleDrafter:
 
     def cache_bytes(self) -> int:
         return self.step.nbytes()
+
+    def memory_bytes(self, borrowed: set[int]) -> int:
+        """Bytes this drafter holds: the head's own weights (it borrows the target's embedding and
+        LM head, whose storages are in `borrowed`), the draft vocabulary's rows and the head's cache."""
+        tensors = list(self.head.parameters()) + list(self.head.buffers())
+        if self.vocab_head is not None:
+            tensors += list(self.vocab_head.parameters()) + list(self.vocab_head.buffers())
+        return tensor_bytes([t for t in tensors if storage(t)[0] not in borrowed]) + self.cache_bytes()
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """out (k, H) -> (k, Vd) draft log-probabilities, normalised over the draft vocabulary."""

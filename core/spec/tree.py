@@ -41,6 +41,15 @@ class DraftTree:
         return DraftTree(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
+@dataclass(frozen=True)
+class Draft:
+    """What a drafter proposes for a round: the tree to verify and, for the tuner's acceptance
+    model, the root's best candidates as target ids (R,), best first, tree or not; None where the
+    drafter ranks none (verify.path_offers)."""
+    tree: DraftTree
+    ranking: Tensor | None = None
+
+
 def make_tree(tokens: Tensor | Sequence[int], parents: Tensor | Sequence[int]) -> DraftTree:
     """Validate (tokens, parents) and derive depth, ancestor mask and root-to-leaf paths."""
     tokens = torch.as_tensor(tokens, dtype=torch.long, device="cpu")

@@ -9,6 +9,7 @@ context. No torch types leave this module: the page formats plain numbers (bytes
 
 from dataclasses import dataclass
 
+from core.runtime.memory import storage, tensor_bytes
 from core.tune.probe import Probe, Reading
 
 
@@ -45,32 +46,11 @@ class Snapshot:
     cpu_count: int
 
 
-def storage(t) -> tuple[int, int]:
-    """(identity, bytes) of the memory behind a tensor. oneDNN's packed weights (core/runtime/cpu_linear.py)
-    have no storage object: each is its own block."""
-    if t.is_mkldnn:
-        return id(t), t.numel() * t.element_size()
-    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-
-
-def tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages (a tied or shared weight counts once)."""
-    blocks = dict(storage(t) for t in tensors)
-    return sum(blocks.values())
-
-
 def engine_memory(engine) -> EngineMemory:
     model = engine.target.model
     weights = list(model.parameters()) + list(model.buffers())
     target_ptrs = {storage(t)[0] for t in weights}
-    draft = 0
-    head = getattr(engine.drafter, "head", None)
-    if head is not None:  # the head borrows the target's embedding and LM head: count only its own
-        own = [t for t in list(head.parameters()) + list(head.buffers())
-               if storage(t)[0] not in target_ptrs]
-        vocab = getattr(engine.drafter, "vocab_head", None)
-        extra = [] if vocab is None else list(vocab.parameters()) + list(vocab.buffers())
-        draft = tensor_bytes(own + extra) + engine.drafter.cache_bytes()
+    draft = engine.drafter.memory_bytes(target_ptrs)
     device = engine.target.device
     name = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
     return EngineMemory(name, tensor_bytes(weights), engine.runner.cache_bytes(), draft)
