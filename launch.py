@@ -179,7 +179,12 @@ def run_app(args: argparse.Namespace) -> None:
         key = api_key(args.host, args.api_key, dict(os.environ))
     except ValueError as e:
         fail(e)  # before loading the model: a refused start should be quick
+    from app.private import private_folder, private_temp_dir
+
+    private = private_temp_dir()  # 0700, removed at exit: exports and Gradio's copies of them
+    os.environ.setdefault("GRADIO_TEMP_DIR", str(private / "gradio"))  # read when Gradio is imported
     from app.api import api_routes
+    from app.guard import guard
     from app.store import ChatStore, default_store_path
     from app.ui import build_ui, launch_options
     from core.service.chat import ChatService
@@ -207,6 +212,7 @@ def run_app(args: argparse.Namespace) -> None:
     try:
         store = ChatStore(default_store_path())  # before the model: a store that cannot open fails fast
         choice = ModelChoice(args.model, args.quant, args.head)
+        check(choice)  # a head folder that is not there is told before minutes of loading
         worker = Worker()  # the thread for all torch work: it loads and warms up the model it will run
         loaded = worker.call(lambda: loader(choice))
         service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir, check, worker)
@@ -214,10 +220,12 @@ def run_app(args: argparse.Namespace) -> None:
         fail(e)
     port = free_port(args.host, args.port)
     demo = build_ui(service, {"model": args.model or "", "quant": service.engine.target.quant,
-                              "head": args.head or ""}, store=store)
-    # The OpenAI-compatible routes join Gradio's own FastAPI app: one server, one port.
+                              "head": args.head or ""}, store=store, exports=private_folder(private / "exports"))
+    # The OpenAI-compatible routes join Gradio's own FastAPI app: one server, one port, one guard
+    # in front of both (app/guard.py: the Host, the Origin, the key).
+    app_kwargs = {"routes": api_routes(service, key), "middleware": [guard(args.host, port, key, tuple(args.allow_origin))]}
     demo.launch(server_name=args.host, server_port=port, inbrowser=not args.no_browser, prevent_thread_lock=True,
-                app_kwargs={"routes": api_routes(service, key)}, **launch_options())
+                app_kwargs=app_kwargs, **launch_options())
     print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label}); "
           f"OpenAI-compatible API at http://{args.host}:{port}/v1{' (key required)' if key else ''}", flush=True)
     demo.block_thread()

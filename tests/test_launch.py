@@ -1,8 +1,12 @@
-"""The launcher's stdlib-only parts: reading pyproject.toml (with and without tomllib), ports."""
+"""The launcher's stdlib-only parts: reading pyproject.toml (with and without tomllib), ports; and a
+start with a missing head refused before the model loads."""
 
 import builtins
 import importlib.util
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +113,13 @@ def test_bench_serve_starts_a_local_server_on_the_benchs_model():
         "--model": "org/m", "--quant": "int8", "--top-k": "2", "--cache-dir": "/c"}
     assert flags[-1] == "--no-compile" and "--depth" not in flags and "--static-tree" not in flags
     assert launch.parse_args(["--no-browser", *flags]).quant == "int8"  # the app's parser takes every flag
+
+
+def test_a_missing_head_folder_is_told_before_the_model_loads(embedded_dir, cache_dir, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_DATA_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--no-browser", "--no-compile", "--cache-dir",
+                        str(cache_dir), "--head", str(tmp_path / "missing")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"Aerie: The head folder {tmp_path / 'missing'} does not exist" in r.stderr
+    assert "Loading weights" not in r.stdout + r.stderr  # the target never loaded
