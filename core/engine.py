@@ -120,8 +120,9 @@ class Engine:
         verified = self.prefill(prompt)
         first = self.choose(verified.logits[-1], sampling, rng)
         context, produced = prompt + [first], 1
-        yield StepResult((first,), 0, 0, len(prompt), 0.0, time.perf_counter() - t0, 0.0,
-                         self.finish(first, produced, len(context), sampling),
+        yield StepResult(new_ids=(first,), accepted=0, drafted=0, tree_size=len(prompt), draft_s=0.0,
+                         verify_s=time.perf_counter() - t0, commit_s=0.0,
+                         finish=self.finish(first, produced, len(context), sampling),
                          near_ties=self.near_ties(verified.logits[-1:], sampling))
         while self.finish(context[-1], produced, len(context), sampling) is None:
             if cancel is not None and cancel.is_set():
@@ -168,8 +169,9 @@ class Engine:
         acceptance = self.accept(tree, verified.logits, sampling, rng)
         self.commit(acceptance, tree)
         t3 = time.perf_counter()
-        result = StepResult(tuple(acceptance.new_tokens), acceptance.accepted, tree.max_depth, tree.size,
-                            t1 - t0, t2 - t1, t3 - t2, offers=path_offers(tree, acceptance, draft.ranking),
+        result = StepResult(new_ids=tuple(acceptance.new_tokens), accepted=acceptance.accepted, drafted=tree.max_depth,
+                            tree_size=tree.size, draft_s=t1 - t0, verify_s=t2 - t1, commit_s=t3 - t2,
+                            offers=path_offers(tree, acceptance, draft.ranking),
                             near_ties=self.near_ties(verified.logits[acceptance.nodes.to(verified.logits.device)], sampling))
         return Round(result, kept(verified, acceptance.nodes))
 

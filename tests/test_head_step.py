@@ -12,7 +12,7 @@ import torch
 from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
-from core.runtime.head_step import CPU_BUCKETS
+from core.runtime.head_step import STEP_CPU_BUCKETS
 from tests.conftest import guard_checked, tiny_llama, tiny_target
 from tests.test_eagle import random_head
 
@@ -49,7 +49,7 @@ def test_compiled_padded_step_equals_eager(model, kind):
         torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-5, rtol=1e-5)
         assert outs[1][0].shape == (T, eager.head.config.hidden_size)
-    assert {rows for rows, _ in compiled.step._graphs} == set(CPU_BUCKETS)
+    assert {rows for rows, _ in compiled.step._graphs} == set(STEP_CPU_BUCKETS)
 
 
 def test_a_catch_up_scores_only_its_last_row(model):
@@ -82,7 +82,7 @@ def test_compiled_drafter_drafts_the_same_trees_and_stays_lossless(model, kind, 
         drafter.draft = lambda context, fresh, draft=draft, drafted=drafted: drafted.append(draft(context, fresh)) or drafted[-1]
         out = [t for s in Engine(tiny_target(model), drafter).generate(prompt, sampling) for t in s.new_ids]
         assert out == plain, name
-        trees[name] = [(t.tokens.tolist(), t.parents.tolist()) for t in drafted]
+        trees[name] = [(d.tree.tokens.tolist(), d.tree.parents.tolist()) for d in drafted]
     assert trees["compiled"] == trees["eager"] and len(trees["eager"]) > 5
 
 

@@ -42,16 +42,16 @@ def answer(label: str) -> None:
     def timed_draft(context, fresh):
         if len(times) >= 12 and len(profiled) < 4:
             with profile(activities=activities) as prof:
-                tree = draft(context, fresh)
+                proposed = draft(context, fresh)
                 sync()
             profiled.append(prof)
-            return tree
+            return proposed
         sync()
         t0 = time.perf_counter()
-        tree = draft(context, fresh)
+        proposed = draft(context, fresh)
         sync()
         times.append(1000 * (time.perf_counter() - t0))
-        return tree
+        return proposed
 
     drafter.draft = timed_draft
     engine.reset()

@@ -86,15 +86,14 @@ def compiled_code(method, args: tuple):
     return functools.partial(compiled, owner)
 
 
-def compiled_all(compile_each, report=None) -> bool:
+def compiled_all(compile_each, report) -> bool:
     """Run `compile_each` (one call per graph, each compiling it); -> whether every graph compiled.
     Where torch cannot compile (no C++ compiler, or past RECOMPILE_LIMIT graphs after many model
-    switches), say so through `report`: the caller drops its graphs and runs eagerly."""
+    switches), say so through `report` (never silently): the caller drops its graphs and runs eagerly."""
     try:
         compile_each()
         return True
     except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit, NotCompiled) as e:
-        if report is not None:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            report(f"Compiling failed ({first}); running the eager forward instead (slower; --no-compile skips trying)")
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        report(f"Compiling failed ({first}); running the eager forward instead (slower; --no-compile skips trying)")
         return False

@@ -20,8 +20,8 @@ import torch
 from core.runtime.graphs import Graph, compiled_all
 from core.runtime.kv import additive_mask, attended_rows, cache_bytes, set_length, static_cache
 
-CPU_BUCKETS = (1, 2, 4, 8)          # rows per step: a catch-up (accepted + 1) or a frontier (top_k)
-CUDA_BUCKETS = (1, 4, 8, 16)         # each a CUDA graph compiled at start: few, as the runner's smallest
+STEP_CPU_BUCKETS = (1, 2, 4, 8)      # rows per step: a catch-up (accepted + 1) or a frontier (top_k)
+STEP_CUDA_BUCKETS = (1, 4, 8, 16)    # each a CUDA graph compiled at start: few, as the runner's smallest
 DRAFT_ROWS = 1024                   # cache rows beyond the context: one draft's fed nodes and padding
 
 
@@ -31,7 +31,7 @@ class HeadStep:
         Eager until warm_up compiles it."""
         weight = head.fc.weight
         self.head, self.score, self.device = head, score, weight.device
-        self.buckets = CUDA_BUCKETS if self.device.type == "cuda" else CPU_BUCKETS
+        self.buckets = STEP_CUDA_BUCKETS if self.device.type == "cuda" else STEP_CPU_BUCKETS
         self.capacity = context + DRAFT_ROWS
         self.compiled = False
         self.dtype = weight.dtype  # of the head's activations and its cache
@@ -99,7 +99,7 @@ class HeadStep:
                     self.feed(torch.zeros(rows, width, dtype=self.dtype, device=self.device),
                               torch.zeros(rows, dtype=torch.long, device=self.device),
                               torch.arange(rows, device=self.device), causal, 0)
-        if not compiled_all(every_bucket, report):
+        if not compiled_all(every_bucket, report or print):
             self.compiled, self._graphs = False, {}
 
     def nbytes(self) -> int:

@@ -126,24 +126,24 @@ class EagleDrafter:
     def grow_tree(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
         """EAGLE-2's expand-then-rerank."""
         top_k, device = self.tree.top_k, root_out.device
-        step = expand_frontier(torch.zeros(1, device=device), root_logp[None], top_k)
-        pool_scores, pool_parents = [step.scores], [torch.full((top_k,), -1, device=device)]
-        pool_tokens = [self.to_target_ids(step.tokens)]
-        frontier_pool = step.frontier                                           # (top_k,) pool indices
+        expansion = expand_frontier(torch.zeros(1, device=device), root_logp[None], top_k)
+        pool_scores, pool_parents = [expansion.scores], [torch.full((top_k,), -1, device=device)]
+        pool_tokens = [self.to_target_ids(expansion.tokens)]
+        frontier_pool = expansion.frontier                                      # (top_k,) pool indices
         parent_out = root_out[None].expand(top_k, -1)                           # (k, H)
         ancestors = torch.eye(top_k, dtype=torch.bool, device=device)           # (k, fed) tree block
         for level in range(self.tree.depth):
             tokens = torch.cat(pool_tokens)[frontier_pool]                     # (k,) target ids
             out, logp = self.feed_frontier(tokens, parent_out, ancestors, level)  # (k, H), (k, Vd)
-            step = expand_frontier(torch.cat(pool_scores)[frontier_pool], logp, top_k)
+            expansion = expand_frontier(torch.cat(pool_scores)[frontier_pool], logp, top_k)
             base = sum(len(s) for s in pool_scores)
-            pool_scores.append(step.scores)
-            pool_parents.append(frontier_pool[step.parent_slot])
-            pool_tokens.append(self.to_target_ids(step.tokens))
-            chosen_parent = step.parent_slot[step.frontier]                     # (k,) slots 0..k-1
+            pool_scores.append(expansion.scores)
+            pool_parents.append(frontier_pool[expansion.parent_slot])
+            pool_tokens.append(self.to_target_ids(expansion.tokens))
+            chosen_parent = expansion.parent_slot[expansion.frontier]          # (k,) slots 0..k-1
             parent_out = out[chosen_parent]
             ancestors = torch.cat([ancestors[chosen_parent], torch.eye(top_k, dtype=torch.bool, device=device)], 1)
-            frontier_pool = base + step.frontier
+            frontier_pool = base + expansion.frontier
         return rerank(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens), root,
                       self.tree.total_tokens)
 
