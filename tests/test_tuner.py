@@ -14,7 +14,7 @@ from core.config import TreeConfig
 from core.tune.probe import Probe
 from core.tune.latency import LatencyProfile, interpolate, monotone
 from core.spec.tree import make_tree
-from core.tune.tuner import (MIN_DRAFTS, PROBE_EVERY, Acceptance, Meter, Pins, Tuner, Turn, best_shape, node_values,
+from core.tune.tuner import (MIN_DRAFTS, PositionalAcceptance, PROBE_EVERY, Meter, Pins, Tuner, Turn, best_shape, node_values,
                               prior_table)
 from core.spec.verify import Acceptance as Accepted, path_offers
 
@@ -146,7 +146,7 @@ def test_node_values_keep_only_the_frontier_expanded():
 
 
 def test_acceptance_learns_per_depth_and_rank():
-    acc = Acceptance(prior_table([0.5]))
+    acc = PositionalAcceptance(prior_table([0.5]))
     before = acc.q().clone()
     for _ in range(200):
         acc.observe([(4, 1), (4, -1)])  # depth 1: rank 1 accepted; depth 2: none of 4 accepted
@@ -195,7 +195,7 @@ def test_pins_are_kept():
 
 def tuner(pins=Pins(), alphas=(0.7, 0.6), prof=CPU, head=True) -> Tuner:
     drafters = {"plain": None, "prompt_lookup": None, **({"eagle": None} if head else {})}
-    return Tuner(prof, Acceptance(prior_table(alphas)), pins, drafters, max_size=96)
+    return Tuner(prof, PositionalAcceptance(prior_table(alphas)), pins, drafters, max_size=96)
 
 
 def slow_turn(t: Tuner, speedup: float, strategy="eagle") -> None:

@@ -22,7 +22,7 @@ from core.tune.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choic
                           machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
-from core.tune.tuner import Acceptance, Pins, Tuner, prior_table
+from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
 from models.head_config import head_config_for_target
 from models.heads import build_head
@@ -102,7 +102,7 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
     max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)
-    tuner = Tuner(profile, Acceptance(prior_table(alphas)), pins, drafters, max_size=max_size)
+    tuner = Tuner(profile, PositionalAcceptance(prior_table(alphas)), pins, drafters, max_size=max_size)
     return Loaded(engine, tuner, placement, onednn, cached, compile_s, kernels)
 
 

@@ -158,7 +158,7 @@ def prior_table(alphas: Sequence[float] | None) -> torch.Tensor:
 
 
 @dataclass
-class Acceptance:
+class PositionalAcceptance:
     """Online counts of offers and acceptances per (depth, rank) on top of a prior."""
     prior: torch.Tensor                                    # (D, R)
     hits: torch.Tensor = field(init=False)
@@ -216,7 +216,7 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
 class Tuner:
     """Plans each turn; learns from its rounds. Built by core/service/factory.py, one per loaded model."""
 
-    def __init__(self, profile: LatencyProfile, acceptance: Acceptance, pins: Pins, drafters: dict, max_size: int):
+    def __init__(self, profile: LatencyProfile, acceptance: PositionalAcceptance, pins: Pins, drafters: dict, max_size: int):
         """drafters: name -> drafter, "plain" and "prompt_lookup" always, "eagle" with a head."""
         self.profile, self.acceptance, self.pins, self.max_size = profile, acceptance, pins, max_size
         self.drafters = drafters
