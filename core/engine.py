@@ -23,7 +23,7 @@ from core.spec.sampling import sample, target_probs
 from core.spec.drafters import PlainDrafter
 from core.runtime.runner import RunnerConfig, TargetRunner, Verified
 from core.spec.tree import Draft, DraftTree
-from core.spec.verify import Acceptance, accept_greedy, accept_sampled, path_offers
+from core.spec.verify import Acceptance, accept_greedy, accept_sampled, path_offers, top2_margins
 from models.target import Target
 
 
@@ -123,7 +123,7 @@ class Engine:
         yield StepResult(new_ids=(first,), accepted=0, drafted=0, tree_size=len(prompt), draft_s=0.0,
                          verify_s=time.perf_counter() - t0, commit_s=0.0,
                          finish=self.finish(first, produced, len(context), sampling),
-                         near_ties=self.near_ties(verified.logits[-1:], sampling))
+                         near_ties=self.near_ties(top2_margins(verified.logits[-1:]), sampling))
         while self.finish(context[-1], produced, len(context), sampling) is None:
             if cancel is not None and cancel.is_set():
                 return
@@ -157,7 +157,10 @@ class Engine:
     @torch.inference_mode()
     def step(self, context: list[int], verified: Verified, sampling: SamplingConfig,
              rng: torch.Generator) -> "Round":
-        """One speculative round: draft -> verify -> accept -> commit."""
+        """One speculative round: draft -> verify -> accept -> commit. On a GPU it waits for the
+        device three times: the drafted tree comes to the host (rerank), verify's end (timed on its
+        own), and accept's one transfer of each row's top two logits; path offers and near-ties
+        read what those brought over."""
         t0 = time.perf_counter()
         draft = self.drafter.draft(context, verified)
         tree = draft.tree
@@ -172,7 +175,8 @@ class Engine:
         result = StepResult(new_ids=tuple(acceptance.new_tokens), accepted=acceptance.accepted, drafted=tree.max_depth,
                             tree_size=tree.size, draft_s=t1 - t0, verify_s=t2 - t1, commit_s=t3 - t2,
                             offers=path_offers(tree, acceptance, draft.ranking),
-                            near_ties=self.near_ties(verified.logits[acceptance.nodes.to(verified.logits.device)], sampling))
+                            near_ties=self.near_ties(None if acceptance.margins is None
+                                                     else acceptance.margins[acceptance.nodes], sampling))
         return Round(result, kept(verified, acceptance.nodes))
 
     def verify(self, tree: DraftTree) -> Verified:
@@ -188,14 +192,13 @@ class Engine:
         """Keep the KV of the root and the accepted path; drop the rest of the tree."""
         self.runner.commit(acceptance.nodes, tree.tokens[acceptance.nodes].tolist())
 
-    def near_ties(self, rows: torch.Tensor, sampling: SamplingConfig) -> tuple[int, ...]:
-        """rows (k, V): the logits that chose each new token. A greedy choice whose top-2 margin is
-        below the runner's numeric tolerance could flip between a tree's verify and one token's,
-        so speculative and plain output may differ there, and only there."""
-        if not sampling.greedy:
+    def near_ties(self, margins: torch.Tensor | None, sampling: SamplingConfig) -> tuple[int, ...]:
+        """margins (k,) on the host: the top-2 logit margin that chose each new token. Offsets of
+        greedy choices below the runner's numeric tolerance: such a choice could flip between a
+        tree's verify and one token's, so speculative and plain output may differ there, and only there."""
+        if not sampling.greedy or margins is None:
             return ()
-        top2 = rows.topk(2, dim=-1).values                            # (k, 2)
-        return tuple(torch.nonzero(top2[:, 0] - top2[:, 1] < self.runner.tie_margin).flatten().tolist())
+        return tuple(torch.nonzero(margins < self.runner.tie_margin).flatten().tolist())
 
     def choose(self, logits: torch.Tensor, sampling: SamplingConfig, rng: torch.Generator) -> int:
         """logits (V,) -> the next token, exactly as a one-node tree would accept it."""

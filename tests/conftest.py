@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random Llama targets built in the test, and the real embedded model."""
 
+import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,27 @@ def guard_checked(graph):
         return bound(*args)
     call.calls = 0
     return call
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served_api(service):
+    """A Gradio page with Aerie's API routes for `service` on a free local port, as launch.py
+    serves them; -> its base URL."""
+    import gradio as gr
+
+    from app.api import api_routes
+    with gr.Blocks() as demo:
+        gr.Markdown("Aerie")
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                app_kwargs={"routes": api_routes(service)})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        demo.close()

@@ -5,14 +5,12 @@ on one server, a client that hangs up, the service's one-answer-at-a-time lock, 
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import gradio as gr
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -22,6 +20,7 @@ from app.api import api_routes
 from core.service.chat import ChatService
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError, StrategyUnavailableError
+from tests.conftest import free_port, served_api
 from tests.test_ui_handlers import FakeService
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,23 +175,12 @@ def test_api_key_is_checked_on_every_route():
         assert c.request(method, path, json=body, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def page_and_api():
     """A Gradio page launched as launch.py does, with the API routes and a slow fake service."""
     service = ApiFake(words=tuple(f" w{i}" for i in range(200)), delay=0.05)
-    with gr.Blocks() as demo:
-        gr.Markdown("Aerie")
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                app_kwargs={"routes": api_routes(service)})
-    yield service, f"http://127.0.0.1:{port}"
-    demo.close()
+    with served_api(service) as url:
+        yield service, url
 
 
 def test_page_and_api_share_one_server(page_and_api):

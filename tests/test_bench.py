@@ -49,22 +49,13 @@ def test_bench_tunes_the_eagle_shape(tiny_dir, cache_dir):
 @pytest.fixture
 def tiny_server(tiny_dir, tmp_path):
     """The tiny model with a random head served as launch.py serves it: the page's server with the API routes."""
-    import gradio as gr
-
-    from app.api import api_routes
     from core.service.chat import ChatService
-    from tests.conftest import load_tuned_tiny
-    from tests.test_api import free_port
+    from tests.conftest import load_tuned_tiny, served_api
 
     loaded = load_tuned_tiny(tiny_dir, tmp_path)
     service = ChatService(loaded.engine, tuner=loaded.tuner)
-    with gr.Blocks() as demo:
-        gr.Markdown("Aerie")
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                app_kwargs={"routes": api_routes(service)})
-    yield service, f"http://127.0.0.1:{port}"
-    demo.close()
+    with served_api(service) as url:
+        yield service, url
 
 
 def test_bench_serve_asks_a_live_server_for_the_same_answers(tiny_dir, cache_dir, tiny_server, capsys):

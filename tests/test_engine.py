@@ -91,3 +91,20 @@ def test_max_new_tokens_and_context_limit():
     assert len(out) == 5  # stops where the context ends
     steps = list(engine.generate(list(range(15)), SamplingConfig(max_new_tokens=3)))
     assert sum(len(s.new_ids) for s in steps) == 3 and steps[-1].finish == "length"
+
+
+@pytest.mark.parametrize("drafter", ["plain", "lookup"])
+def test_near_ties_name_exactly_the_choices_within_the_runners_tolerance(drafter):
+    """With a tolerance above every margin each greedy token is a near-tie, below every margin
+    none is; the offsets index the round's new tokens (the prefill's first one included)."""
+    from core.spec.drafters import PromptLookupDrafter
+    model = tiny_llama(seed=2)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    for margin, everywhere in ((1e9, True), (-1.0, False)):
+        engine = Engine(tiny_target(model), PromptLookupDrafter() if drafter == "lookup" else None)
+        engine.runner.tie_margin = margin
+        steps = list(engine.generate(prompt, SamplingConfig(max_new_tokens=20)))
+        for step in steps:
+            assert step.near_ties == (tuple(range(len(step.new_ids))) if everywhere else ())
+    sampled = list(Engine(tiny_target(model)).generate(prompt, SamplingConfig(temperature=1.0, seed=1, max_new_tokens=5)))
+    assert all(step.near_ties == () for step in sampled)  # sampling follows the distribution: no ties to log

@@ -10,7 +10,8 @@ import pytest
 
 from app.api import api_routes
 from app.guard import guard, host_allowed, origin_allowed, policy
-from tests.test_api import KEY, USER, ApiFake, free_port, start_aerie
+from tests.conftest import free_port
+from tests.test_api import KEY, USER, ApiFake, start_aerie
 
 PREDICT = {"fn_index": 0, "data": [], "session_hash": "x"}
 

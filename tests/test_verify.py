@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from core.spec.tree import DraftTree, chain_tree, make_tree, root_only
-from core.spec.verify import Acceptance, accept_greedy, accept_sampled
+from core.spec.verify import Acceptance, accept_greedy, accept_sampled, top2_margins
 
 
 def _logits_with_argmax(target_next: list[int], vocab: int = 6) -> torch.Tensor:
@@ -211,3 +211,14 @@ def test_chi_square_harness_catches_a_subtly_wrong_verifier():
 
     counts = _first_two_counts(bonus_from_full_row, _drafter("wide"), torch.Generator().manual_seed(1))
     assert _chi_square_p(counts) < P_THRESHOLD
+
+
+def test_greedy_acceptance_brings_every_rows_top2_margin_to_the_host():
+    """accept's one transfer carries each row's margin too: near-ties need no second sync."""
+    tree = make_tree([5, 6, 7, 8], [-1, 0, 1, 0])
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(0))
+    acc = accept_greedy(tree, logits)
+    top = logits.topk(2, dim=-1).values
+    assert acc.margins.device.type == "cpu" and acc.margins.dtype == torch.float64
+    assert torch.allclose(acc.margins, (top[:, 0] - top[:, 1]).double())
+    assert torch.equal(top2_margins(logits), acc.margins)

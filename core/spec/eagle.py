@@ -103,7 +103,8 @@ class EagleDrafter:
             # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
             # each rank, including ranks this round's tree left out (path_offers).
             ranking = self.to_target_ids(last_logp.topk(min(RANKED, last_logp.shape[-1])).indices)  # (R,)
-            return Draft(self.grow(context[-1], last, last_logp), ranking)
+            tree = self.grow(context[-1], last, last_logp)
+            return Draft(tree, ranking.cpu())  # after the rerank brought the tree over: no extra wait
         return Draft(self.grow_static(context[-1], last, last_logp))
 
     def catch_up(self, features: torch.Tensor, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ keeps `Acceptance.nodes` in the KV cache and emits `Acceptance.new_tokens`.
 Dimensions: N tree nodes, V vocabulary, a accepted draft tokens.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -24,10 +24,17 @@ from core.spec.tree import DraftTree, children
 class Acceptance:
     nodes: Tensor          # (a+1,) int64 tree nodes to keep in the KV: the root, then the accepted path
     new_tokens: list[int]  # the a accepted draft tokens, then the bonus token; len a+1
+    margins: Tensor | None = None  # greedy: (N,) on the host, each row's top-1 minus top-2 logit
 
     @property
     def accepted(self) -> int:
         return len(self.new_tokens) - 1
+
+
+def top2_margins(logits: Tensor) -> Tensor:
+    """logits (k, V) -> (k,) float64 on the host: each row's top-1 minus top-2 logit."""
+    values = logits.topk(2, dim=-1).values
+    return (values[:, 0] - values[:, 1]).double().cpu()
 
 
 def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
@@ -35,12 +42,17 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
     # Node i is right iff tokens[i] == argmax(target row of parents[i]). A node is accepted iff it
     # and all its ancestors are right; keep the deepest accepted node (the lowest index on ties) and
     # emit its path plus argmax(row of that node), exactly what plain greedy decoding would emit.
-    target_next = target_logits.argmax(-1).to(tree.tokens.device)  # (N,) the one host sync
+    # The top two of each row in one transfer, the one host sync: the argmax decides, the margin
+    # between them tells a near-tie (Engine.near_ties) without a second trip to the device.
+    top2 = target_logits.topk(2, dim=-1)                                             # (N, 2)
+    host = torch.cat([top2.indices[:, :1].double(), (top2.values[:, :1] - top2.values[:, 1:]).double()], 1)
+    host = host.to(tree.tokens.device)                                               # (N, 2) ids < 2^53: exact
+    target_next, margins = host[:, 0].long(), host[:, 1]
     right = tree.tokens == target_next[tree.parents.clamp(min=0)]  # (N,)
     right[0] = True
     accepted = ~(tree.ancestor_mask & ~right).any(-1)             # (N,) node and ancestors right
     last = int(torch.where(accepted, tree.depth, -1).argmax())    # argmax returns the first max
-    return _along_path(tree, last, int(target_next[last]))
+    return replace(_along_path(tree, last, int(target_next[last])), margins=margins)
 
 
 def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None) -> Acceptance:
