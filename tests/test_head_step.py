@@ -29,6 +29,7 @@ def drafter_pair(model, kind: str, tree: TreeConfig) -> tuple[EagleDrafter, Eagl
     compiled = EagleDrafter(head, model.config.num_hidden_layers, tree)
     compiled.warm_up()
     assert compiled.step.compiled and not eager.step.compiled
+    assert compiled.compiled_sizes == compiled.step.buckets and eager.compiled_sizes == ()
     return eager, compiled
 
 

@@ -92,8 +92,8 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
     offloaded = placement is not None and placement.offload
     used = ("onednn" if onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
-    if "eagle" in drafters and drafters["eagle"].step.compiled:
-        used += f", head compiled {list(drafters['eagle'].step.buckets)}"
+    if "eagle" in drafters and drafters["eagle"].compiled_sizes:
+        used += f", head compiled {list(drafters['eagle'].compiled_sizes)}"
     if kernels is not None:
         used += f", {kernels.describe()}"
     key = profile_key(engine, spec.head, used, offloaded)

@@ -189,6 +189,11 @@ class EagleDrafter:
         positions = torch.full((ancestors.shape[0],), self.head_len + level, device=tokens.device)
         return self.step.feed(parent_out, tokens, positions, ancestors, self.head_len)
 
+    @property
+    def compiled_sizes(self) -> tuple[int, ...]:
+        """The head step's row counts that run as compiled graphs; () while it runs eagerly."""
+        return self.step.buckets if self.step.compiled else ()
+
     def cache_bytes(self) -> int:
         return self.step.nbytes()
 
