@@ -2,10 +2,10 @@
 NVML readings, the memory budget, the acceptance model, the chosen shapes and the fallback ladder."""
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import psutil
-
 import pytest
 import torch
 
@@ -116,6 +116,15 @@ def profile(round_ms, head_ms=(2.0,) * 6, slope=0.0) -> LatencyProfile:
 
 CPU = profile(lambda n: 27.0 + 1.2 * (n - 1) + (2.0 if n > 1 else 0.0), head_ms=(3.0, 3.2, 3.6, 4.0, 4.5, 5.0))
 GPU = profile(lambda n: 20.0 + 0.02 * n, head_ms=(1.5,) * 6)
+
+
+def test_a_tree_costs_what_the_runner_pads_it_to():
+    """Buckets up to 8: a 14-token tree runs as two 8-token forwards (16 rows), a 5-token one as 8."""
+    padded = replace(profile(lambda n: 10.0 + n), buckets=(1, 2, 4, 8))
+    assert padded.round(14, 32) == padded.round(16, 32) == pytest.approx(26.0)
+    assert padded.round(5, 32) == padded.round(8, 32) and padded.round(17, 32) == padded.round(24, 32)
+    assert padded.padded(3) == 4 and padded.padded(9) == 16
+    assert profile(lambda n: 10.0 + n).round(14, 32) == pytest.approx(24.0)  # no buckets: the curve itself
 
 
 def test_profile_interpolates_and_extrapolates():
