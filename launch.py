@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -228,6 +229,8 @@ def run_app(args: argparse.Namespace) -> None:
                 app_kwargs=app_kwargs, **launch_options())
     print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label}); "
           f"OpenAI-compatible API at http://{args.host}:{port}/v1{' (key required)' if key else ''}", flush=True)
+    # `kill` (SIGTERM) then stops the server as Ctrl+C does, and the exit removes the private folder.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     demo.block_thread()
 
 

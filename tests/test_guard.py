@@ -3,6 +3,8 @@ requests, the key on every Gradio route and the page's login, over HTTP against 
 launched as launch.py launches it, then against a real `launch.py` with the embedded model."""
 
 import os
+import stat
+from pathlib import Path
 
 import gradio as gr
 import httpx
@@ -10,6 +12,7 @@ import pytest
 
 from app.api import api_routes
 from app.guard import guard, host_allowed, origin_allowed, policy
+from app.store import ChatStore, default_store_path
 from tests.conftest import free_port
 from tests.test_api import KEY, USER, ApiFake, start_aerie
 
@@ -102,26 +105,45 @@ def test_the_login_form_sets_a_cookie_for_the_page(keyed):
         assert browser.post("/gradio_api/run/predict", json=PREDICT).json()["data"] == ["the saved chats"]
 
 
+def fn_index(url: str, api_name: str, headers: dict) -> int:
+    deps = httpx.get(url + "/config", headers=headers).json()["dependencies"]
+    return next(i for i, d in enumerate(deps) if d.get("api_name") == api_name)
+
+
 @pytest.mark.slow
-def test_a_real_aerie_guards_its_page_and_api(embedded_dir, cache_dir):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "AERIE_API_KEY": KEY}
+def test_a_real_aerie_guards_its_page_and_api_and_keeps_exports_private(embedded_dir, cache_dir, tmp_path):
+    data, tmp = tmp_path / "data", tmp_path / "tmp"
+    tmp.mkdir()
+    store = ChatStore(default_store_path({"XDG_DATA_HOME": str(data)}, "linux"))
+    store.append(store.create_chat().id, "user", "my secret plans")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "AERIE_API_KEY": KEY, "XDG_DATA_HOME": str(data), "TMPDIR": str(tmp)}
+    env.pop("GRADIO_TEMP_DIR", None)
     proc, url = start_aerie(cache_dir, "--no-compile", env=env)
-    port = url.rsplit(":", 1)[1]
+    port, auth = url.rsplit(":", 1)[1], {"Authorization": f"Bearer {KEY}"}
     try:
-        config = httpx.get(url + "/config")
-        assert config.status_code == 401
-        assert httpx.get(url + "/config", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-        rebound = httpx.get(url + "/config", headers={"Host": f"rebind.attacker.example:{port}",
-                                                      "Authorization": f"Bearer {KEY}"})
+        assert httpx.get(url + "/config").status_code == 401
+        latest, export = fn_index(url, "open_latest", auth), fn_index(url, "export", auth)
+        leak = {"fn_index": latest, "data": [False], "session_hash": "x"}
+        assert httpx.post(url + "/gradio_api/run/predict", json=leak).status_code == 401
+        rebound = httpx.post(url + "/gradio_api/run/predict", json=leak,
+                             headers={**auth, "Host": f"rebind.attacker.example:{port}"})
         assert rebound.status_code == 421
-        cross = httpx.post(url + "/v1/chat/completions", headers={"Origin": "http://evil.example",
-                                                                  "Content-Type": "text/plain"},
-                           content=b'{"messages": [{"role": "user", "content": "Hi"}]}')
+        body = b'{"messages": [{"role": "user", "content": "Hi"}]}'
+        cross = httpx.post(url + "/v1/chat/completions", content=body,
+                           headers={"Origin": "http://evil.example", "Content-Type": "text/plain"})
         assert cross.status_code == 403
-        plain = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}",
-                                                                  "Content-Type": "text/plain"},
-                           content=b'{"messages": [{"role": "user", "content": "Hi"}]}')
+        plain = httpx.post(url + "/v1/chat/completions", content=body, headers={**auth, "Content-Type": "text/plain"})
         assert plain.status_code == 415
+        assert httpx.post(url + "/gradio_api/run/predict", json=leak, headers=auth).status_code == 200
+        shown = httpx.post(url + "/gradio_api/run/predict", headers=auth,
+                           json={"fn_index": export, "data": [1], "session_hash": "x"})
+        copy = Path(shown.json()["data"][0]["value"]["path"])
+        assert httpx.get(f"{url}/gradio_api/file={copy}").status_code == 401
+        assert "my secret plans" in httpx.get(f"{url}/gradio_api/file={copy}", headers=auth).text
+        assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+        private = next(p for p in copy.parents if p.parent == tmp)
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
     finally:
         proc.terminate()
         proc.wait(30)
+    assert not list(tmp.iterdir())  # the private folder went with the server
