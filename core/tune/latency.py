@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from core.config import SamplingConfig, TreeConfig
+from core.spec.eagle import EagleDrafter
 from core.spec.tree import chain_tree, rerank
 
 SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96)  # the sizes plus 2 and 4: on a CPU the step from 1 token (no mask) to a small tree matters
@@ -150,7 +151,7 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
     slopes = tuple(max(0.0, (ms - short_ms[sizes.index(n)]) / (long_ - SHORT_CONTEXT))
                    for n, ms in zip(slope_sizes, long_ms))
     drafter, widths, head_ms, rerank_ms, fixed, level = engine.drafter, (), (), 0.0, 0.0, 0.0
-    if hasattr(drafter, "feed_frontier"):
+    if isinstance(drafter, EagleDrafter):  # a head to time: its steps, whole drafts
         widths = WIDTHS
         head_ms = tuple(time_head_step(drafter, engine, ids[:SHORT_CONTEXT], w) for w in widths)
         rerank_ms = time_rerank()
