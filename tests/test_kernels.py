@@ -4,13 +4,14 @@ per machine."""
 
 import copy
 
+import pytest
 import torch
 
 from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.service.factory import cpu_buckets
-from core.tune.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
+from core.tune.kernels import (HEAD_WEIGHTS, WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
                           int4_layers, machine_key, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from models.cpu_quant import quantize_cpu
@@ -80,15 +81,21 @@ def test_choose_wide_from_measures_both_kernels_and_narrows_again():
 
 
 def test_head_weights_choice_needs_a_clear_win():
-    assert choose_head_weights({"int8": 1.0, "bf16": 0.95}.get)[0] == "int8"   # 5%: noise
-    assert choose_head_weights({"int8": 1.0, "bf16": 0.5}.get) == ("bf16", {"int8": 1.0, "bf16": 0.5})
+    assert choose_head_weights({"int8": 1.0, "int4": 0.96, "bf16": 0.95}.get)[0] == "int8"   # 5%: noise
+    assert choose_head_weights({"int8": 1.0, "int4": 0.6, "bf16": 0.5}.get) == ("bf16", {"int8": 1.0, "int4": 0.6, "bf16": 0.5})
+    assert choose_head_weights({"int8": 1.0, "int4": 0.7, "bf16": 1.4}.get)[0] == "int4"
 
 
-def test_draft_step_timer_runs_the_head_step():
+@pytest.mark.parametrize("weights", HEAD_WEIGHTS)
+def test_every_head_weight_choice_drafts_and_stays_lossless(weights):
     target = int4_target()
+    prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(6)).tolist()
+    plain, ties = greedy_run(Engine(target), prompt)
     drafter = EagleDrafter(random_head(target.model, "eagle1", 3), 3, TreeConfig(1, 4, 5))
-    drafter.shrink("bf16")
+    drafter.shrink(weights)
     assert time_draft_steps(drafter.step, 64) > 0
+    eagle, _ = greedy_run(Engine(target, drafter), prompt)
+    assert eagle == plain or next(i for i, (a, b) in enumerate(zip(plain, eagle)) if a != b) in ties
 
 
 def test_kernel_choice_is_measured_once_per_machine(tmp_path):
