@@ -27,7 +27,7 @@ import venv
 from pathlib import Path
 from typing import NoReturn
 
-from cli import ROOT, default_cache_dir, default_head, parse_args, parse_generate_args, parse_train_args  # stdlib only
+from cli import ROOT, default_head, parse_args, parse_generate_args, parse_train_args  # stdlib only
 VENV = ROOT / ".venv"
 STAMP = VENV / "aerie-setup.json"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # addresses that serve this machine only
