@@ -30,6 +30,7 @@ from starlette.routing import BaseRoute
 from app.api_request import ApiError, CompletionRequest, parse_request
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import AerieError, ContextOverflowError, StrategyUnavailableError
+from core.service.contract import ChatServiceApi
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def check_json(request: Request) -> ApiError | None:
                     param="content-type", code="unsupported_media_type")
 
 
-async def reply_events(service: Any, req: CompletionRequest, cancel: threading.Event) -> AsyncIterator[ReplyEvent]:
+async def reply_events(service: ChatServiceApi, req: CompletionRequest, cancel: threading.Event) -> AsyncIterator[ReplyEvent]:
     """The service's events, produced in a thread of their own so the server stays responsive.
     Leaving this generator early (a client gone, an error) sets `cancel`, which stops the engine
     between steps, or stops the wait when another answer holds the engine."""
@@ -212,7 +213,7 @@ async def stream_chunks(head: Head, req: CompletionRequest, first: ReplyEvent, e
     yield "data: [DONE]\n\n"
 
 
-async def complete(service: Any, request: Request, req: CompletionRequest, head: Head):
+async def complete(service: ChatServiceApi, request: Request, req: CompletionRequest, head: Head):
     """One completion. The first event is awaited before answering, so that a prompt that does
     not fit, or any failure before the first token, is a plain JSON error with its status."""
     cancel = threading.Event()
@@ -239,7 +240,7 @@ async def complete(service: Any, request: Request, req: CompletionRequest, head:
     return JSONResponse(completion_body(head, answer))
 
 
-def api_routes(service: Any, api_key: str | None = None, defaults: SamplingConfig = SamplingConfig()) -> list[BaseRoute]:
+def api_routes(service: ChatServiceApi, api_key: str | None = None, defaults: SamplingConfig = SamplingConfig()) -> list[BaseRoute]:
     """The /v1 routes for `service`. With `api_key` set, each request must bear it; omitted
     sampling fields take `defaults` (the page's: greedy unless launch.py says otherwise)."""
     router = APIRouter(prefix="/v1")

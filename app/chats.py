@@ -27,6 +27,7 @@ from app import answers, handlers
 from app.handlers import Cancels, Chat
 from app.private import write_private
 from app.store import ChatNotFoundError, ChatStore, StoreError
+from core.service.contract import ChatServiceApi
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, hi
             recorder.flush()
 
 
-def respond(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | None, message: Any, history: Any,
+def respond(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id: int | None, message: Any, history: Any,
             system_prompt: str, temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any,
             stop_text: Any, highlight: bool = False, request: gr.Request | None = None) -> Iterator[tuple]:
     """handlers.respond into chat `chat_id` (None: a new chat), saved as it streams;
@@ -166,7 +167,7 @@ def respond(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | Non
                                                            request=request), highlight)
 
 
-def regenerate(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | None, history: Any,
+def regenerate(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id: int | None, history: Any,
                system_prompt: str, temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any,
                stop_text: Any, highlight: bool = False, request: gr.Request | None = None) -> Iterator[tuple]:
     """handlers.regenerate in chat `chat_id`, the new answer saved over the old as it streams."""

@@ -8,7 +8,6 @@ it as a turn (ChatService.reply's `strategy`), so the next answer speculates as 
 """
 
 from collections.abc import Iterator
-from typing import Any
 
 import gradio as gr
 
@@ -17,6 +16,7 @@ from app.answers import Answer, Request
 from app.chats import stored_chat
 from app.handlers import Cancels, Chat
 from app.store import ChatStore, StoreError
+from core.service.contract import ChatServiceApi
 
 ACTION = "compare with plain decoding"
 
@@ -52,7 +52,7 @@ def _last_answer(store: ChatStore, chat_id: int | None) -> tuple[Chat, Request] 
     return chat, Request.from_dict(chat[-1]["meta"]["request"])
 
 
-def _plain_run(service: Any, cancels: Cancels, cancel, chat: Chat, asked: Request,
+def _plain_run(service: ChatServiceApi, cancels: Cancels, cancel, chat: Chat, asked: Request,
                shown: list[dict]) -> Iterator[tuple[Answer, list[dict], str]]:
     """Stream the plain run: (answer so far, chatbot, stats line) per event."""
     plain = Answer()
@@ -75,7 +75,7 @@ def _saved(store: ChatStore, chat_id: int, chat: Chat, plain: Answer, asked: Req
     return chat
 
 
-def compare(store: ChatStore, service: Any, cancels: Cancels, chat_id: int | None, highlight: bool,
+def compare(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id: int | None, highlight: bool,
             request: gr.Request | None = None) -> Iterator[tuple]:
     """A/B of the chat's last answer; yields (chatbot, stats line). Stop or a failure leaves the
     chat as it was: a half-finished plain run compares nothing."""

@@ -18,6 +18,7 @@ import gradio as gr
 from app.answers import Answer, Request, format_stats, plain_text, strategy_label
 from core.config import SamplingConfig
 from core.errors import AerieError
+from core.service.contract import ChatServiceApi
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ def take_message(message: str) -> tuple:
     return (message or "", *controls("answering", clear_textbox=True))
 
 
-def _answer(service: Any, cancels: Cancels, key: str, chat: Chat, system_prompt: str,
+def _answer(service: ChatServiceApi, cancels: Cancels, key: str, chat: Chat, system_prompt: str,
             settings: tuple) -> Iterator[tuple[Chat, str]]:
     """Stream an answer to the last user turn of `chat`, yielding (chat, stats line); `settings`
     are the page's raw (temperature, top_p, top_k, seed, max_new_tokens, stop_text).
@@ -251,7 +252,7 @@ def _answer(service: Any, cancels: Cancels, key: str, chat: Chat, system_prompt:
         cancels.finish(key, cancel)
 
 
-def respond(service: Any, cancels: Cancels, message: Any, history: Any, system_prompt: str,
+def respond(service: ChatServiceApi, cancels: Cancels, message: Any, history: Any, system_prompt: str,
             temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any, stop_text: Any,
             request: gr.Request | None = None) -> Iterator[tuple[Chat, str]]:
     """Add the user's message to the chat and stream the answer."""
@@ -265,7 +266,7 @@ def respond(service: Any, cancels: Cancels, message: Any, history: Any, system_p
     yield from _answer(service, cancels, session_key(request), chat, system_prompt, settings)
 
 
-def regenerate(service: Any, cancels: Cancels, history: Any, system_prompt: str,
+def regenerate(service: ChatServiceApi, cancels: Cancels, history: Any, system_prompt: str,
                temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any, stop_text: Any,
                request: gr.Request | None = None) -> Iterator[tuple[Chat, str]]:
     """Drop the last answer and answer the last user turn again."""

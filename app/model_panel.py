@@ -12,6 +12,7 @@ import gradio as gr
 
 from app.handlers import Cancels, SettingsError, header, report, session_key, shown_label, toast
 from core.config import QUANTS, ModelChoice
+from core.service.contract import ChatServiceApi
 POLL_S = 0.5
 GIB = 2**30
 
@@ -54,7 +55,7 @@ def cancel_load(loads: Cancels, request: gr.Request | None = None) -> str:
     return "Cancelling…" if loads.cancel(session_key(request)) else gr.skip()
 
 
-def _fetch(service: Any, choice: ModelChoice, cancel: threading.Event) -> Iterator[str]:
+def _fetch(service: ChatServiceApi, choice: ModelChoice, cancel: threading.Event) -> Iterator[str]:
     """Run the service's download in a thread, yielding a progress line every POLL_S seconds."""
     latest, failure = {"line": "Checking the Hugging Face Hub…"}, []
 
@@ -73,7 +74,7 @@ def _fetch(service: Any, choice: ModelChoice, cancel: threading.Event) -> Iterat
         raise failure[0]
 
 
-def load_model(service: Any, loads: Cancels, model: Any, head: Any, quant: Any, system_prompt: str,
+def load_model(service: ChatServiceApi, loads: Cancels, model: Any, head: Any, quant: Any, system_prompt: str,
                request: gr.Request | None = None) -> Iterator[tuple[str, str, str]]:
     """Fetch, then switch; yields (header, status, system prompt). On any failure the page keeps
     the current model's header and a toast explains (a mismatched head names both sizes)."""

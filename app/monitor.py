@@ -10,6 +10,7 @@ from typing import Any
 from app.answers import stats_of
 from app.chats import stored_chat
 from core.config import ReplyStats
+from core.service.contract import ChatServiceApi
 
 GIB = 2**30
 SEGMENTS = (("weights", "Weights", "#0284c7"), ("kv", "KV cache", "#22c55e"), ("draft", "Draft head", "#a855f7"),
@@ -87,7 +88,7 @@ def chat_answers(store: Any, chat_id: int | None) -> list[ReplyStats]:
     return [s for s in (stats_of(meta) for meta in rows if meta) if s is not None and s.new_tokens]
 
 
-def refresh(service: Any, store: Any, chat_id: int | None = None) -> tuple[str, str, str]:
+def refresh(service: ChatServiceApi, store: Any, chat_id: int | None = None) -> tuple[str, str, str]:
     """(memory, plot of the shown chat, tuner line) for the panel; a failing reading is shown,
     never raised."""
     try:

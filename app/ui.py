@@ -21,6 +21,7 @@ from app import chats, compare, handlers, model_panel, monitor, saved_settings
 from app.private import private_temp_dir
 from app.store import ChatStore
 from core.config import SamplingConfig
+from core.service.contract import ChatServiceApi
 
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "style.css"
 ENGINE = "engine"  # one concurrency group: one answer or model load at a time, across all tabs
@@ -80,7 +81,7 @@ def _as_defaults(defaults: UiDefaults | Mapping[str, Any] | None) -> UiDefaults:
     return defaults if isinstance(defaults, UiDefaults) else UiDefaults(**defaults)
 
 
-def _settings_panel(service: Any, d: UiDefaults) -> list[gr.Component]:
+def _settings_panel(service: ChatServiceApi, d: UiDefaults) -> list[gr.Component]:
     """System prompt and sampling controls, in the order handlers.respond takes them."""
     s = d.sampling
     with gr.Accordion("Settings", open=True):
@@ -110,7 +111,7 @@ def _wire_saved_settings(demo: gr.Blocks, settings: list[gr.Component]) -> None:
           show_progress="hidden", **private)
 
 
-def _model_panel(service: Any, d: UiDefaults) -> SimpleNamespace:
+def _model_panel(service: ChatServiceApi, d: UiDefaults) -> SimpleNamespace:
     """Target, head and quantization (app/model_panel.py)."""
     with gr.Accordion("Model", open=False):
         model = gr.Textbox(d.model, label="Model", placeholder="Hugging Face id or local folder; empty = embedded")
@@ -196,7 +197,7 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
                        concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", **private)
 
 
-def _wire(service: Any, store: ChatStore, cancels: handlers.Cancels, p: SimpleNamespace) -> list:
+def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, p: SimpleNamespace) -> list:
     """The chat and model events; returns the answer events (respond, regenerate, A/B)."""
     lock = [p.textbox, p.send, p.stop, p.regen, p.load, p.ab]  # the order of handlers.controls
     quick = {"queue": False, "api_visibility": "private"}
@@ -229,7 +230,7 @@ def _wire(service: Any, store: ChatStore, cancels: handlers.Cancels, p: SimpleNa
     return [respond, regenerate, ab]
 
 
-def _wire_load(service: Any, p: SimpleNamespace) -> None:
+def _wire_load(service: ChatServiceApi, p: SimpleNamespace) -> None:
     """Load model: the chat's controls locked while it loads, Cancel shown instead of Load."""
     quick = {"queue": False, "api_visibility": "private"}
     system = p.settings[0]
@@ -260,7 +261,7 @@ def _monitor_panel() -> SimpleNamespace:
     return SimpleNamespace(tuning=tuning, memory=memory, plot=plot)
 
 
-def _wire_monitor(demo: gr.Blocks, service: Any, store: ChatStore, m: SimpleNamespace, chat_list) -> None:
+def _wire_monitor(demo: gr.Blocks, service: ChatServiceApi, store: ChatStore, m: SimpleNamespace, chat_list) -> None:
     """Refresh on load and every MONITOR_S seconds, idle or answering: unqueued, so it never waits
     behind an answer. The plot follows the chat selected in `chat_list`."""
     outputs, refresh = [m.memory, m.plot, m.tuning], bind(monitor.refresh, service, store)
@@ -269,7 +270,7 @@ def _wire_monitor(demo: gr.Blocks, service: Any, store: ChatStore, m: SimpleName
                              show_progress="hidden")
 
 
-def build_ui(service: Any, defaults: UiDefaults | Mapping[str, Any] | None = None, *,
+def build_ui(service: ChatServiceApi, defaults: UiDefaults | Mapping[str, Any] | None = None, *,
              store: ChatStore, exports: Path | None = None) -> gr.Blocks:
     """The chat page for `service` (see app/handlers.py for what it must offer), with the chats
     saved in `store`, queued so that one answer or model load runs at a time. Exports are written

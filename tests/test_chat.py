@@ -161,3 +161,15 @@ def test_fit_context_needs_a_user_message(tokenizer):
 
     with pytest.raises(AerieError, match="no user message"):
         fit_context(tokenizer, [], "", 100)
+
+
+def test_the_chat_service_offers_what_the_app_asks_of_it(tiny_service):
+    """app/ types the service with core/service/contract.py's Protocol: ChatService must have every
+    member it names, and `reply` the same parameters."""
+    import inspect
+
+    from core.service.contract import ChatServiceApi
+    wanted = {n for n in vars(ChatServiceApi) if not n.startswith("_")} | set(ChatServiceApi.__annotations__)
+    assert wanted >= {"reply", "load_model", "fetch", "monitor", "label", "model_name", "tuning", "default_system_prompt"}
+    assert all(hasattr(tiny_service, name) for name in wanted), wanted - {n for n in wanted if hasattr(tiny_service, n)}
+    assert list(inspect.signature(ChatService.reply).parameters) == list(inspect.signature(ChatServiceApi.reply).parameters)
