@@ -27,7 +27,7 @@ def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
     assert s["eagle"]["tree"] == {"depth": 2, "top_k": 3, "total_tokens": 6}
     assert set(s["eagle"]["round_ms"]) == {"draft", "verify", "commit"}
     assert s["eagle"]["accept_rate"] is not None and "speedup_vs_hf" in s["eagle"]
-    json.dumps(report)
+    assert json.loads(json.dumps(report))["strategies"].keys() == s.keys()  # launch.py prints it as one JSON line
     assert "category" in capsys.readouterr().out  # the per-category table
 
 
@@ -87,6 +87,12 @@ def test_parse_trees():
         parse_trees("0,4")
 
 
-def test_limit_picks_round_robin_across_categories():
+def test_limit_picks_round_robin_across_categories(tmp_path):
     prompts = load_prompts(ROOT_ASSETS / "bench" / "mt_bench.jsonl", 8)
     assert len({p.category for p in prompts}) == 8
+    rows = [("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("c", "c1"), ("c", "c2")]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in rows))
+    # each category's first prompt, then each one's second, in file order; a short category runs out
+    assert [p.text for p in load_prompts(path, None)] == ["a1", "b1", "c1", "a2", "c2", "a3"]
+    assert [p.text for p in load_prompts(path, 4)] == ["a1", "b1", "c1", "a2"]

@@ -1,6 +1,7 @@
 """core/spec/tree.py: tree structure, the verify mask and positions, EAGLE-2 expand/rerank, EAGLE-1 shape."""
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
@@ -69,8 +70,12 @@ def test_root_only_and_chain():
 
 
 def test_to_moves_every_field():
-    moved = make_tree(TOKENS, PARENTS).to("cpu")
-    assert isinstance(moved, DraftTree) and moved.paths.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
+    tree = make_tree(TOKENS, PARENTS)
+    assert tree.paths.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
+    moved = tree.to("meta")  # a device the tree is not on: a field left behind would stay on the CPU
+    assert isinstance(moved, DraftTree)
+    assert all(getattr(moved, f.name).device.type == "meta" for f in fields(DraftTree))
+    assert all(getattr(moved, f.name).shape == getattr(tree, f.name).shape for f in fields(DraftTree))
 
 
 @pytest.mark.parametrize(
