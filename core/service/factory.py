@@ -8,10 +8,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from core.config import PLANNED_CONTEXT
-from core.tune.budget import (GIB, MemoryBudgetError, ModelShape, Placement, largest_tree,
-                         plan_placement, target_kv_per_token, tree_bytes)
-from core.config import TreeConfig
+from core.config import PLANNED_CONTEXT, TreeConfig
+from core.tune.budget import (GIB, MemoryBudgetError, ModelShape, Placement, largest_tree, plan_placement,
+                              target_kv_per_token, tree_bytes)
 from core.runtime.cpu_linear import accelerate_cpu
 from core.spec.drafters import PlainDrafter, PromptLookupDrafter
 from core.spec.eagle import EagleDrafter
@@ -19,7 +18,7 @@ from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
 from core.tune.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
-                          machine_key, time_draft_steps, twin_fits)
+                               machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
 from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
@@ -118,8 +117,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -
                                 and twin_fits(target, psutil.virtual_memory().available) else (None, {}))
         head, head_ms = "int8", {}
         if strategy == "eagle":
-            width = len(make_drafter(target, spec).feature_layers) * target.model.config.get_text_config().hidden_size
-            head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant).step, width))
+            head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)))
         return KernelChoice(wide_from, head, verify_ms, head_ms)
 
     choice, _ = cached_choice(spec.cache_dir, key, measure)

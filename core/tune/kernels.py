@@ -158,11 +158,13 @@ EVICT_BYTES = 64 << 20   # more than any CPU's last-level cache here (32 MiB): a
 
 
 @torch.inference_mode()
-def time_draft_steps(step, feature_width: int, rows: int = 4) -> float:
-    """ms of the head steps a draft starts with (a one-row catch-up, two frontier steps of `rows`)
-    with the head's weights cold, as after a target verify: a write of EVICT_BYTES first; best
-    of REPEATS after a warm-up."""
-    device, width = step.device, step.head.config.hidden_size
+def time_draft_steps(drafter, rows: int = 4) -> float:
+    """ms of the head steps an EAGLE drafter's draft starts with (a one-row catch-up on target
+    features, two frontier steps of `rows`) with the head's weights cold, as after a target verify:
+    a write of EVICT_BYTES first; best of REPEATS after a warm-up."""
+    step, config = drafter.step, drafter.head.config
+    device, width = step.device, config.hidden_size
+    feature_width = len(drafter.feature_layers) * config.target_width
     evict = torch.zeros(EVICT_BYTES // 4)
     pair = torch.randn(1, feature_width, device=device)
     outs, tokens = torch.randn(rows, width, device=device), torch.arange(rows, device=device)
