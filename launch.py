@@ -6,6 +6,7 @@
     python3 launch.py bench [--head H] ...                  every decoding strategy on MT-bench prompts
     python3 launch.py train --out DIR [--model M] ...       train an EAGLE head by self-distillation
     python3 launch.py generate --out FILE.jsonl ...         greedy answers for training, continuously batched
+    python3 launch.py compile [--model M] ...               store a CPU model's compiled graphs (the app runs it itself)
 
 The first part runs on any Python >= 3.10 with the standard library only: it builds `.venv` next
 to this file, installs the dependencies listed in pyproject.toml (the single source) plus the
@@ -13,6 +14,7 @@ embedded model, and re-runs itself inside that environment. Later starts skip st
 """
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
@@ -191,7 +193,7 @@ def run_app(args: argparse.Namespace) -> None:
     from core.service.chat import ChatService
     from core.config import ModelChoice
     from core.errors import AerieError
-    from core.service.factory import load_tuned
+    from core.service.factory import load_for_chat
     from core.tune.probe import Probe, load_nvml
     from core.service.switching import preflight
     from core.service.worker import Worker
@@ -203,8 +205,8 @@ def run_app(args: argparse.Namespace) -> None:
         # and the command line's --strategy applies only to the model it named.
         same = choice.model == args.model
         head = choice.head if choice.head is not None else (args.head if same and args.head else default_head(choice.model))
-        return load_tuned(engine_spec(args, model=choice.model, quant=choice.quant, head=head or None,
-                                      strategy=args.strategy if same else "auto"), probe)
+        return load_for_chat(engine_spec(args, model=choice.model, quant=choice.quant, head=head or None,
+                                         strategy=args.strategy if same else "auto"), compile_command, probe)
 
     def check(choice: ModelChoice) -> None:
         preflight(target_spec(argparse.Namespace(**{**vars(args), "model": choice.model, "quant": choice.quant})),
@@ -216,9 +218,11 @@ def run_app(args: argparse.Namespace) -> None:
         check(choice)  # a head folder that is not there is told before minutes of loading
         worker = Worker()  # the thread for all torch work: it loads and warms up the model it will run
         loaded = worker.call(lambda: loader(choice))
-        service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir, check, worker)
+        service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir, check, worker,
+                              loaded.pending)
     except AerieError as e:
         fail(e)
+    atexit.register(service.close)  # a compiling child ends with the app
     port = free_port(args.host, args.port)
     demo = build_ui(service, {"model": args.model or "", "quant": service.engine.target.quant,
                               "head": args.head or ""}, store=store, exports=private_folder(private / "exports"))
@@ -232,6 +236,34 @@ def run_app(args: argparse.Namespace) -> None:
     # `kill` (SIGTERM) then stops the server as Ctrl+C does, and the exit removes the private folder.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     demo.block_thread()
+
+
+def compile_command(spec) -> list[str]:
+    """`launch.py compile` for the model of an EngineSpec: the child that compiles its graphs."""
+    values = {"--model": spec.model, "--quant": spec.quant, "--device": spec.device, "--head": spec.head,
+              "--cache-dir": spec.cache_dir, "--strategy": spec.strategy}
+    return [sys.executable, str(ROOT / "launch.py"), "compile",
+            *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
+            *(["--allow-pickle"] if spec.allow_pickle else [])]
+
+
+def run_compile(args: argparse.Namespace) -> None:
+    """Precompile every graph of the model the arguments name that is not stored yet, printing a
+    line per graph stored (core/service/warmup.py reads them). Niced: the chat beside it comes first."""
+    from core.errors import AerieError
+    from core.runtime.graphs import COMPILE_ERRORS, build
+    from core.service.factory import stage
+    from core.service.warmup import STORED
+
+    os.nice(10)
+    try:
+        staged = stage(engine_spec(args, head=args.head or None), report=lambda line: print(line, flush=True))
+        if staged.graphs is None:
+            fail("this model runs without compiled graphs here (a GPU, --no-compile, or fp32 on oneDNN).")
+        build(staged.missing(), staged.graphs, lambda line: print(f"Aerie: {line}", flush=True),
+              lambda name, seconds: print(f"{STORED}{name} {seconds:.1f}", flush=True), adopt=False)
+    except (AerieError, *COMPILE_ERRORS) as e:
+        fail(f"compiling failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -334,6 +366,11 @@ def run_command(argv: list[str]) -> None:
         args = parse_args(argv[1:], bench=True)
         keep_compiled_code(args.cache_dir)
         run_bench(args)
+        return
+    if argv[:1] == ["compile"]:
+        args = parse_args(argv[1:])
+        keep_compiled_code(args.cache_dir)
+        run_compile(args)
         return
     if argv[:1] == ["train"]:
         run_train(parse_train_args(argv[1:]))

@@ -9,6 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.embedded import embedded_model_dir
+from models.head_config import head_config_for_target
+from models.heads import build_head
 from models.target import LoadSpec, Target, load_target
 
 ROOT_ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -26,6 +28,15 @@ def tiny_target(model=None, tokenizer=None, eos_ids=(), context_len: int = 512) 
     model = model if model is not None else tiny_llama()
     return Target(model=model, tokenizer=tokenizer, name="tiny-llama", device=torch.device("cpu"), quant="none",
                   dtype=torch.float32, context_len=context_len, eos_ids=tuple(eos_ids))
+
+
+def random_head(model, kind: str, seed: int, draft_vocab: int | None = None):
+    torch.manual_seed(seed)
+    config = head_config_for_target(model.config, kind, draft_vocab_size=draft_vocab)
+    head = build_head(config, model.get_input_embeddings(), model.get_output_embeddings()).eval()
+    if kind == "eagle3" and draft_vocab:
+        head.d2t.copy_(torch.randperm(model.config.vocab_size)[:draft_vocab].sort().values - torch.arange(draft_vocab))
+    return head
 
 
 @pytest.fixture(scope="session")

@@ -8,18 +8,7 @@ from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.spec.tree import MC_SIM_7B_63
-from models.head_config import head_config_for_target
-from models.heads import build_head
-from tests.conftest import tiny_llama, tiny_target
-
-
-def random_head(model, kind: str, seed: int, draft_vocab: int | None = None):
-    torch.manual_seed(seed)
-    config = head_config_for_target(model.config, kind, draft_vocab_size=draft_vocab)
-    head = build_head(config, model.get_input_embeddings(), model.get_output_embeddings()).eval()
-    if kind == "eagle3" and draft_vocab:
-        head.d2t.copy_(torch.randperm(model.config.vocab_size)[:draft_vocab].sort().values - torch.arange(draft_vocab))
-    return head
+from tests.conftest import random_head, tiny_llama, tiny_target
 
 
 def run(engine, prompt, sampling):

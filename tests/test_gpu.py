@@ -12,7 +12,8 @@ from core.spec.drafters import PromptLookupDrafter
 from core.engine import Engine
 from core.runtime.runner import RunnerConfig, TargetRunner
 from models.target import LoadSpec, load_target
-from tests.test_eagle import random_head, run
+from tests.conftest import random_head
+from tests.test_eagle import run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

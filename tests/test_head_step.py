@@ -13,8 +13,7 @@ from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.runtime.head_step import STEP_CPU_BUCKETS
-from tests.conftest import guard_checked, tiny_llama, tiny_target
-from tests.test_eagle import random_head
+from tests.conftest import guard_checked, random_head, tiny_llama, tiny_target
 
 
 @pytest.fixture(scope="module")

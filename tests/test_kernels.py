@@ -15,8 +15,7 @@ from core.tune.kernels import (HEAD_WEIGHTS, WIDE_ROWS, KernelChoice, apply_wide
                           int4_layers, machine_key, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from models.cpu_quant import quantize_cpu
-from tests.conftest import tiny_llama, tiny_target
-from tests.test_eagle import random_head
+from tests.conftest import random_head, tiny_llama, tiny_target
 
 
 def int4_target(seed: int = 1):

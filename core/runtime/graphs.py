@@ -19,7 +19,11 @@ mask's width against the cache, which `attended_rows` bounds.
 
 import functools
 import inspect
+import time
 import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -29,6 +33,12 @@ RECOMPILE_LIMIT = 64  # graphs on one code object: every bucket of every runner 
 
 class NotCompiled(RuntimeError):
     pass
+
+
+# What torch raises where it cannot compile or store a graph (no C++ compiler, past RECOMPILE_LIMIT
+# graphs after many model switches, a graph it cannot serialize).
+COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit,
+                  torch._dynamo.exc.PackageError, NotCompiled)
 
 
 class Graph:
@@ -86,6 +96,67 @@ def compiled_code(method, args: tuple):
     return functools.partial(compiled, owner)
 
 
+@dataclass(frozen=True)
+class GraphJob:
+    """One graph to precompile: `fn` (a bound method: the runner's or the head step's forward) on
+    example inputs `args`, stored as `name`; `adopt` hands the loaded graph to its owner."""
+    name: str                      # its file's name, e.g. "target-4"
+    label: str                     # for people, e.g. "the target's 4-token verify"
+    fn: Callable
+    args: tuple
+    adopt: Callable[["Precompiled"], None]
+
+
+def no_guards(entries) -> list[bool]:
+    """Keep none of dynamo's guards: a precompiled graph is checked by `signature` (module docstring)."""
+    return [False] * len(entries)
+
+
+def precompile(job: GraphJob, folder: Path) -> Path:
+    """Trace and compile job.fn(*job.args) whole, without running it, into folder/job.name; -> the file."""
+    torch._dynamo.mark_dynamic(job.args[-1], 3)  # the mask's width: one graph whatever the chat's length
+    compiled = torch.compile(job.fn, fullgraph=True, dynamic=False, options={"guard_filter_fn": no_guards})
+    with torch.inference_mode():  # as verifies and drafts run
+        fn = compiled.aot_compile((job.args, {}))
+    folder.mkdir(parents=True, exist_ok=True)
+    fn.save_compiled_function(str(folder / job.name))  # written whole or not at all
+    return folder / job.name
+
+
+class Precompiled:
+    """A graph `precompile` stored, loaded and called as the method it was compiled from, on this
+    process's own owner (runner or head step): its weights and cache, not the compiling process's."""
+
+    def __init__(self, path: Path, job: GraphJob):
+        with open(path, "rb") as f:
+            self.code = torch.compiler.load_compiled_function(f)
+        self.code.disable_guard_check()
+        with torch.inference_mode():  # the state it is called in
+            self.owner, self.signature = job.fn.__self__, signature(job.args, cuda=False)
+
+    def __call__(self, *args):
+        if signature(args, cuda=False) != self.signature:
+            raise ValueError(f"a graph precompiled for inputs {self.signature} was called with {signature(args, cuda=False)}")
+        return self.code(self.owner, *args)
+
+
+def build(jobs: list[GraphJob], folder: Path, report=None, stored=None, adopt: bool = True) -> None:
+    """Each job's graph: precompiled into `folder` unless an earlier run stored it there (then
+    `stored(name, seconds)`), and with `adopt` loaded and handed to its owner."""
+    missing = [job for job in jobs if not (folder / job.name).is_file()]
+    for job in jobs:
+        if job in missing:
+            t0 = time.perf_counter()
+            if report is not None:
+                report(f"compiling {job.label} ({missing.index(job) + 1} of {len(missing)}; a first start compiles "
+                       "each in under a minute, later starts load them)")
+            precompile(job, folder)
+            if stored is not None:
+                stored(job.name, time.perf_counter() - t0)
+        if adopt:
+            job.adopt(Precompiled(folder / job.name, job))
+
+
 def compiled_all(compile_each, report) -> bool:
     """Run `compile_each` (one call per graph, each compiling it); -> whether every graph compiled.
     Where torch cannot compile (no C++ compiler, or past RECOMPILE_LIMIT graphs after many model
@@ -93,7 +164,7 @@ def compiled_all(compile_each, report) -> bool:
     try:
         compile_each()
         return True
-    except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit, NotCompiled) as e:
+    except COMPILE_ERRORS as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         report(f"Compiling failed ({first}); running the eager forward instead (slower; --no-compile skips trying)")
         return False

@@ -17,7 +17,7 @@ unpadded.
 
 import torch
 
-from core.runtime.graphs import Graph, compiled_all
+from core.runtime.graphs import Graph, GraphJob, compiled_all
 from core.runtime.kv import additive_mask, attended_rows, cache_bytes, set_length, static_cache
 
 STEP_CPU_BUCKETS = (1, 2, 4, 8)      # rows per step: a catch-up (accepted + 1) or a frontier (top_k)
@@ -33,12 +33,11 @@ class HeadStep:
         self.head, self.score, self.device = head, score, weight.device
         self.buckets = STEP_CUDA_BUCKETS if self.device.type == "cuda" else STEP_CPU_BUCKETS
         self.capacity = context + DRAFT_ROWS
-        self.compiled = False
         self.dtype = weight.dtype  # of the head's activations and its cache
         self.room = DRAFT_ROWS - max(self.buckets)  # drafted nodes a round can feed, padding aside
         c = head.config
         self.cache = static_cache(1, self.capacity, c.num_key_value_heads, c.head_dim, self.dtype, self.device)
-        self._graphs: dict[tuple[int, int], object] = {}  # (rows, feature width) -> compiled step
+        self._graphs: dict[tuple[int, int], object] = {}  # (rows, feature width) -> its graph, once adopted
 
     @torch.inference_mode()  # as its graphs were compiled: autograd off
     def feed(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
@@ -49,7 +48,9 @@ class HeadStep:
         draft vocabulary was half of its cost (14 of 29 ms for 200 rows here)."""
         T, n = visible.shape
         start = past + n - T
-        rows = next((b for b in self.buckets if b >= T), T) if self.compiled else T
+        bucket = next((b for b in self.buckets if b >= T), T)
+        graph = self._graphs.get((bucket, features.shape[1]))
+        rows = bucket if graph is not None else T
         if start + rows > self.capacity:
             raise ValueError(f"a {T}-row head step at row {start} overflows the head's {self.capacity}-row cache")
         # One graph per size: not per dtype or stride too (a frontier's parents can be a broadcast view).
@@ -66,10 +67,10 @@ class HeadStep:
         width = attended_rows(past + n + pad, self.capacity, self.device)
         mask = additive_mask(visible, past, self.dtype, width=width)  # (1, 1, rows, Lk)
         set_length(self.cache, start)
-        step = self.graph(rows, features.shape[1])
-        if not isinstance(step, Graph):  # eager, unpadded: score only what the caller reads
-            return step(features[None], tokens[None], positions[None], mask, scored=slice(T - 1, T) if last_only else None)
-        out, logp = step(features[None], tokens[None], positions[None], mask)
+        if graph is None:  # eager, unpadded: score only what the caller reads
+            return self.forward(features[None], tokens[None], positions[None], mask,
+                                scored=slice(T - 1, T) if last_only else None)
+        out, logp = graph(features[None], tokens[None], positions[None], mask)
         return out[:T], logp[T - 1:T] if last_only else logp[:T]
 
     def forward(self, features, tokens, positions, mask, scored: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,29 +79,46 @@ class HeadStep:
         out = self.head(features, tokens, positions, mask, self.cache)[0]
         return out, self.score(out if scored is None else out[scored])
 
-    def graph(self, rows: int, width: int):
-        if not self.compiled or rows not in self.buckets:
-            return self.forward
-        if (rows, width) not in self._graphs:
-            self._graphs[rows, width] = Graph(self.forward, self.device)
-        return self._graphs[rows, width]
+    @property
+    def compiled(self) -> bool:
+        return bool(self._graphs)
+
+    def has_graph(self, rows: int, width: int) -> bool:
+        return (rows, width) in self._graphs
+
+    def adopt(self, key: tuple[int, int], graph) -> None:
+        """Use `graph` for (rows, feature width) from the next feed on (a drafter adopts between rounds)."""
+        self._graphs[key] = graph
+
+    def graph_jobs(self, widths: tuple[int, ...]) -> list[GraphJob]:
+        """What a CPU precompiles: a step of each bucket's rows for features of each width."""
+        jobs = []
+        for width in widths:
+            for rows in self.buckets:
+                causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
+                args = (torch.zeros(1, rows, width, dtype=self.dtype, device=self.device),
+                        torch.zeros(1, rows, dtype=torch.long, device=self.device),
+                        torch.arange(rows, device=self.device)[None], additive_mask(causal, 0, self.dtype,
+                                                                                    width=attended_rows(rows, self.capacity, self.device)))
+                jobs.append(GraphJob(f"head-{rows}x{width}", f"the draft head's {rows}-row step", self.forward, args,
+                                     lambda g, k=(rows, width): self.adopt(k, g)))
+        return jobs
 
     @torch.inference_mode()  # as drafting runs: a graph compiled with autograd on would not be reused
     def warm_up(self, widths: tuple[int, ...], report=None) -> None:
-        """Compile every bucket for features of each width now, not in a chat's first rounds. Writes
-        junk rows from row 0 on: the drafter's head must start over afterwards. Where torch cannot
-        compile, say so and stay eager."""
-        self.compiled = True
-
+        """Compile every bucket's graph for features of each width here and now, as a GPU captures
+        its CUDA graphs (a CPU's are precompiled: `graph_jobs`). Writes junk rows from row 0 on: the
+        drafter's head must start over afterwards. Where torch cannot compile, say so and stay eager."""
         def every_bucket():
             for width in widths:
                 for rows in self.buckets:
+                    self.adopt((rows, width), Graph(self.forward, self.device))
                     causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
                     self.feed(torch.zeros(rows, width, dtype=self.dtype, device=self.device),
                               torch.zeros(rows, dtype=torch.long, device=self.device),
                               torch.arange(rows, device=self.device), causal, 0)
         if not compiled_all(every_bucket, report or print):
-            self.compiled, self._graphs = False, {}
+            self._graphs = {}
 
     def nbytes(self) -> int:
         return cache_bytes(self.cache)

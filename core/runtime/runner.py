@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from core.config import PLANNED_CONTEXT
-from core.runtime.graphs import Graph, compiled_all
+from core.runtime.graphs import Graph, GraphJob, compiled_all
 from core.runtime.kv import additive_mask, attended_rows, cache_bytes, keep_rows, set_length, static_cache
 from models.quants import CPU_QUANTS
 from models.target import Target
@@ -83,7 +83,7 @@ class TargetRunner:
         cuda = self.device.type == "cuda"
         offloaded = bool(getattr(target.model, "hf_device_map", None)) and len(set(target.model.hf_device_map.values())) > 1
         self.buckets = tuple(sorted(config.buckets or (CUDA_BUCKETS if cuda else CPU_BUCKETS)))
-        self.compiled = config.compile and not offloaded  # accelerate's offload hooks move weights per call
+        self.wants_graphs = config.compile and not offloaded  # accelerate's offload hooks move weights per call
         self.context_len = min(target.context_len, config.context)
         # Exact attention: with bf16 activations (the int4/int8 kernels) a tree's verify and one
         # token's would differ by fp32 summation order in attention, which the next bf16 rounding
@@ -104,7 +104,7 @@ class TargetRunner:
         self.length = 0                  # L, the cache's length counter mirrored on the host
         self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
         self.verified_at = 0             # L before the last verify: where commit moves the kept rows
-        self._graphs: dict[int, object] = {}
+        self._graphs: dict[int, object] = {}  # bucket -> its graph, once adopted
         self.compile_s = 0.0
 
     # ------------------------------------------------------------------ the four calls
@@ -190,30 +190,49 @@ class TargetRunner:
         return out.last_hidden_state[0], features
 
     def graph(self, size: int):
-        """The forward for a bucket: compiled once per bucket (on first use, or in warm_up)."""
-        if not self.compiled:
-            return self.forward
-        if size not in self._graphs:
-            self._graphs[size] = Graph(self.forward, self.device)
-        return self._graphs[size]
+        """The forward for a bucket: its graph once one is adopted, else the eager forward. A graph
+        is adopted only between rounds (`adopt`), so a round never mixes the two."""
+        return self._graphs.get(size, self.forward)
+
+    def adopt(self, size: int, graph) -> None:
+        self._graphs[size] = graph
+
+    @property
+    def compiled(self) -> bool:
+        """Whether every bucket runs as a graph."""
+        return all(size in self._graphs for size in self.buckets)
+
+    def graph_jobs(self) -> list[GraphJob]:
+        """What a CPU precompiles (core/runtime/graphs.py): each bucket's forward on example inputs
+        of its shapes; the mask's width stays symbolic. Nothing is fed: tracing runs nothing."""
+        jobs = []
+        for size in self.buckets:
+            visible = torch.ones(size, size, dtype=torch.bool, device=self.device).tril()
+            args = (torch.zeros(1, size, dtype=torch.long, device=self.device),
+                    torch.arange(size, device=self.device)[None], self.mask(visible, 0))
+            jobs.append(GraphJob(f"target-{size}", f"the target's {size}-token verify", self.forward, args,
+                                 lambda g, s=size: self.adopt(s, g)))
+        return jobs
 
     def warm_up(self, report=None) -> float:
-        """Compile every bucket now (a chat's first rounds would otherwise pay it); -> seconds.
-        Where torch cannot compile (no C++ compiler, say), say so and run the eager forward."""
-        if not self.compiled:
+        """Compile every bucket's graph here and now, on its first call (a chat's first rounds would
+        otherwise pay it): how a GPU captures its CUDA graphs; -> seconds. Where torch cannot
+        compile, say so and run the eager forward. A CPU's graphs are precompiled instead
+        (`graph_jobs`: the factory loads them, a child compiles them), which runs the same code."""
+        if not self.wants_graphs:
             return 0.0
         t0 = time.perf_counter()
 
         def every_bucket():
             for i, size in enumerate(self.buckets):
                 if report is not None:
-                    report(f"Compiling the target's forward for {size}-token trees ({i + 1}/{len(self.buckets)}; "
-                           "a first start takes two or three minutes, later ones load it from torch's cache)")
+                    report(f"Compiling the target's forward for {size}-token trees ({i + 1}/{len(self.buckets)})")
+                self.adopt(size, Graph(self.forward, self.device))
                 self.reset()
                 self.verify(torch.zeros(size, dtype=torch.long), torch.arange(size),
                             torch.ones(size, size, dtype=torch.bool).tril())
         if not compiled_all(every_bucket, report or print):
-            self.compiled, self._graphs = False, {}
+            self._graphs = {}
         self.reset()
         self.compile_s = time.perf_counter() - t0
         return self.compile_s

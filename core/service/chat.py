@@ -9,7 +9,9 @@ from typing import Callable, Iterator, NoReturn
 
 from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import AerieError, ModelLoadError, StrategyUnavailableError
+from core.service.factory import tune
 from core.service.switching import SwitchReport, fetch, process_bytes, release
+from core.service.warmup import Pending, Warmup
 from core.service.worker import Worker
 from core.spec.drafters import PlainDrafter
 from core.text import IncrementalDetokenizer, StopMatcher, fit_context, merge_spans, round_spans
@@ -25,7 +27,8 @@ class ChatService:
 
     def __init__(self, engine, loader: Callable | None = None, tuner=None, probe: Probe | None = None,
                  choice: ModelChoice = ModelChoice(), cache_dir: Path | None = None,
-                 preflight: Callable[[ModelChoice], None] | None = None, worker: Worker | None = None):
+                 preflight: Callable[[ModelChoice], None] | None = None, worker: Worker | None = None,
+                 pending: Pending | None = None):
         # Every torch call (answers, switches) runs on this one thread (core/service/worker.py says why);
         # launch.py passes the one that loaded `engine`.
         self.worker = worker or Worker()
@@ -39,6 +42,35 @@ class ChatService:
         self.default_system_prompt = ""
         # One answer or model load at a time: the page and the HTTP API share this engine.
         self.busy = threading.Lock()
+        self.warmup: Warmup | None = None   # a child compiling this engine's graphs; no tuner until it ends
+        self.compile_note = ""              # why graphs are missing, once a warm-up failed
+        self._warm(pending)
+
+    def _warm(self, pending: Pending | None) -> None:
+        """Start compiling `pending`'s graphs in a child (core/service/warmup.py), if any are missing."""
+        self.warmup = Warmup(pending, self._compiled) if pending is not None else None
+
+    def _compiled(self, warmup: Warmup, returncode: int) -> None:
+        """The child ended (on its reader thread): finish on the worker, after any answer running."""
+        self.worker.submit(lambda: self._finish_warmup(warmup, returncode))
+
+    def _finish_warmup(self, warmup: Warmup, returncode: int) -> None:
+        """On the worker: adopt the last graphs, then time the compiled engine and start its tuner."""
+        if warmup is not self.warmup:
+            return  # the model was switched meanwhile
+        warmup.adopt_ready()
+        if returncode != 0:
+            self.compile_note = f"Compiling stopped ({warmup.failure}); the missing graphs run eagerly."
+            print(f"Aerie: {self.compile_note}", flush=True)
+        self.tuner = tune(warmup.staged, self.probe).tuner
+        self.warmup = None
+        print(f"Aerie: {warmup.adopted} of {warmup.total} graphs compiled in {time.monotonic() - warmup.started:.0f} s; "
+              f"the tuner starts: {self.tuning}", flush=True)
+
+    def close(self) -> None:
+        """Stop a compiling child (at the app's exit)."""
+        if self.warmup is not None:
+            self.warmup.stop()
 
     @property
     def label(self) -> str:
@@ -68,13 +100,16 @@ class ChatService:
             self.preflight(choice)  # a typo costs nothing: the current model is still loaded
         device = self.engine.target.device
         before = process_bytes(device)
-        self.engine = self.tuner = None  # drop every reference to the old model before loading
+        if self.warmup is not None:
+            self.warmup.stop()
+        self.engine = self.tuner = self.warmup = None  # drop every reference to the old model before loading
         freed_to = release(device)
         try:
             loaded = self.loader(choice)
         except Exception as e:  # noqa: BLE001 - whatever failed, the previous model must come back
             self._restore(e)
         self.engine, self.tuner, self.choice = loaded.engine, loaded.tuner, choice
+        self._warm(loaded.pending)
         used = process_bytes(self.engine.target.device) - (freed_to if self.engine.target.device == device else 0)
         return SwitchReport(self.label, str(self.engine.target.device), max(before - freed_to, 0), max(used, 0))
 
@@ -89,6 +124,7 @@ class ChatService:
             raise ModelLoadError(f"{message} Reloading the previous model failed too ({type(again).__name__}); "
                                  "restart Aerie.") from again
         self.engine, self.tuner = loaded.engine, loaded.tuner
+        self._warm(loaded.pending)
         kind = type(error) if isinstance(error, AerieError) else ModelLoadError
         raise kind(f"{message} The previous model is loaded again.") from error
 
@@ -126,6 +162,8 @@ class ChatService:
         steps, t0 = engine.generate(fitted.ids, sampling, cancel), time.perf_counter()
         try:
             for step in steps:
+                if self.warmup is not None:  # between two rounds: graphs the child stored since
+                    self.warmup.adopt_ready()
                 stats = self._account(stats, step, time.perf_counter() - t0, meter)
                 spans, hit_stop = stops.push_spans(round_spans(detok, step.new_ids, step.accepted))
                 finish = "stop" if hit_stop else step.finish
@@ -145,7 +183,11 @@ class ChatService:
 
     def _start(self, prompt_len: int, strategy: str | None) -> tuple[ReplyStats, Meter | None]:
         """Set the engine up for one answer: the tuner's plan, or the drafter `strategy` names."""
-        if strategy is None:
+        if strategy is None and self.warmup is not None:
+            self.warmup.adopt_ready()
+            self.engine.set_drafter(self._drafter(self.warmup.staged.spec.pins.strategy or "plain"))
+            reason = self.warmup.status
+        elif strategy is None:
             plan = self.tuner.prepare(self.engine, prompt_len) if self.tuner else None
             reason = plan.reason if plan else ""
         else:
@@ -155,7 +197,8 @@ class ChatService:
         return stats, self.tuner.meter(stats.strategy, prompt_len) if self.tuner else None
 
     def _drafter(self, strategy: str):
-        drafters = dict(self.tuner.drafters) if self.tuner else {"plain": PlainDrafter()}
+        drafters = dict(self.tuner.drafters if self.tuner else self.warmup.staged.drafters if self.warmup
+                        else {"plain": PlainDrafter()})
         drafters.setdefault(self.engine.drafter.name, self.engine.drafter)
         if strategy not in drafters:
             raise StrategyUnavailableError(f"This model cannot decode with '{strategy}'; it has {', '.join(drafters)}.")
@@ -167,8 +210,11 @@ class ChatService:
 
     @property
     def tuning(self) -> str:
-        """What the tuner would choose for a new short chat, and why."""
-        return self.tuner.plan(self.tuner.profile.contexts[0]).reason if self.tuner else ""
+        """What the tuner would choose for a new short chat, and why (or what is compiling meanwhile)."""
+        if self.warmup is not None:
+            return self.warmup.status
+        plan = self.tuner.plan(self.tuner.profile.contexts[0]).reason if self.tuner else ""
+        return "; ".join(filter(None, [plan, self.compile_note]))
 
     def _account(self, stats: ReplyStats, step, elapsed_s: float, meter: Meter | None) -> ReplyStats:
         """Add one engine step to the running stats (and teach the tuner). Step 0 is the prefill;

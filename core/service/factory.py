@@ -1,9 +1,12 @@
 """Building an engine from what the user asked for: target, quantization, device, drafter.
 launch.py calls this at start, for the bench, and whenever the UI switches models."""
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
@@ -12,6 +15,8 @@ from core.config import PLANNED_CONTEXT, TreeConfig
 from core.tune.budget import (GIB, MemoryBudgetError, ModelShape, Placement, largest_tree, plan_placement,
                               target_kv_per_token, tree_bytes)
 from core.runtime.cpu_linear import accelerate_cpu
+from core.service.warmup import Pending
+from core.runtime.graphs import GraphJob, build, compiled_all
 from core.spec.drafters import PlainDrafter, PromptLookupDrafter
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
@@ -29,6 +34,7 @@ from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
 STRATEGIES = ("auto", "eagle", "prompt_lookup", "plain")
+GRAPHS_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -59,17 +65,70 @@ def default_tree(device: torch.device) -> TreeConfig:
 @dataclass(frozen=True)
 class Loaded:
     engine: Engine
-    tuner: Tuner
+    tuner: Tuner | None
     placement: Placement | None   # how the weights were placed on the GPU; None on CPU
     onednn: bool                  # CPU linears run through oneDNN
     profile_cached: bool          # the latency profile came from the cache (no measuring at start)
     compile_s: float = 0.0        # compiling (or loading the compiled) verify graphs at start
     kernels: KernelChoice | None = None   # a CPU target on small weights: what each part runs on
+    pending: Pending | None = None        # graphs left to a child to compile (load_for_chat); no tuner until then
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An engine with every drafter the ladder may switch to, before its graphs and its tuner."""
+    spec: EngineSpec
+    engine: Engine
+    drafters: dict
+    placement: Placement | None
+    onednn: bool
+    kernels: KernelChoice | None
+    graphs: Path | None           # a CPU's folder of precompiled graphs; None where none are used
+
+    @property
+    def graph_jobs(self) -> list[GraphJob]:
+        if self.graphs is None:
+            return []
+        eagle = self.drafters.get("eagle")
+        return self.engine.runner.graph_jobs() + (eagle.graph_jobs() if eagle is not None else [])
+
+    def missing(self) -> list[GraphJob]:
+        """The graphs no earlier run stored yet."""
+        return [job for job in self.graph_jobs if not (self.graphs / job.name).is_file()]
+
+    def adopt_stored(self) -> None:
+        """Load and use every graph an earlier run stored."""
+        build([job for job in self.graph_jobs if (self.graphs / job.name).is_file()], self.graphs)
 
 
 def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Loaded:
-    """The engine plus its tuner: the machine's latency profile (measured once, then cached) and
-    every drafter the ladder may switch to. `report` gets a line per compile step."""
+    """The engine plus its tuner: its graphs compiled (or loaded), the machine's latency profile
+    (measured once, then cached) and every drafter the ladder may switch to. `report` gets a line
+    per compile step."""
+    staged = stage(spec, probe, report)
+    return tune(staged, probe, compile_graphs(staged, report))
+
+
+def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec], list[str]], probe: Probe | None = None,
+                  report=print) -> Loaded:
+    """As load_tuned, except that on a CPU the graphs no earlier start stored are left to a child
+    process (`compile_command(spec)`, core/service/warmup.py) while the chat answers eagerly: the
+    page opens without waiting for a compile. -> Loaded without a tuner, and `pending` set, then."""
+    staged = stage(spec, probe, report)
+    if staged.graphs is None or not staged.missing():
+        return tune(staged, probe, compile_graphs(staged, report))
+    need, free = psutil.Process().memory_info().rss, psutil.virtual_memory().available
+    if free < 1.5 * need:  # a child holds a second copy of the model while it compiles
+        report(f"Aerie: compiling before the chat opens: a compiling process would need {need / GIB:.1f} GiB "
+               f"beside this one, and {free / GIB:.1f} GiB is free.")
+        return tune(staged, probe, compile_graphs(staged, report))
+    staged.adopt_stored()
+    return Loaded(staged.engine, None, staged.placement, staged.onednn, False, 0.0, staged.kernels,
+                  Pending(staged, compile_command(spec)))
+
+
+def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
+    """The target, this CPU's kernel choice, the drafters and the engine, all eager."""
     target, onednn, placement = load_fast_target(spec, probe)
     strategy = resolved_strategy(spec)
     kernels = cpu_kernels(target, spec, strategy, report) if target.quant in CPU_QUANTS else None
@@ -80,17 +139,34 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     # 42 tokens/s here): an fp32 CPU model stays eager.
     runner = TargetRunner(target, RunnerConfig(compile=spec.compile and not onednn, buckets=cpu_buckets(kernels)),
                           drafters["eagle"].feature_layers if "eagle" in drafters else None)
-    compile_s = runner.warm_up(lambda line: report(f"Aerie: {line}"))
-    # A compiled head step replays its ~30 small kernels without the host's dispatch per kernel: on
-    # a GPU an eager d2k10n64 draft took 72 ms; on a 2-core CPU a step at 4 rows 1.14 -> 0.79 ms.
-    if "eagle" in drafters and runner.compiled:
-        report("Aerie: compiling the draft head's step")
-        t0 = time.perf_counter()
-        drafters["eagle"].warm_up(lambda line: report(f"Aerie: {line}"))
-        compile_s += time.perf_counter() - t0
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
-    offloaded = placement is not None and placement.offload
-    used = ("onednn" if onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
+    graphs = graph_folder(spec, engine, kernels) if runner.wants_graphs and target.device.type == "cpu" else None
+    return Staged(spec, engine, drafters, placement, onednn, kernels, graphs)
+
+
+def compile_graphs(staged: Staged, report=print) -> float:
+    """Every graph of `staged`, in this process; -> seconds. On a CPU: those an earlier run stored
+    are loaded, the rest precompiled and stored. On a GPU: CUDA graphs, captured here."""
+    t0, runner, eagle = time.perf_counter(), staged.engine.runner, staged.drafters.get("eagle")
+    if staged.graphs is not None:
+        compiled_all(lambda: build(staged.graph_jobs, staged.graphs, lambda line: report(f"Aerie: {line}")), report)
+        return time.perf_counter() - t0
+    runner.warm_up(lambda line: report(f"Aerie: {line}"))
+    # A compiled head step replays its ~30 small kernels without the host's dispatch per kernel: on
+    # a GPU an eager d2k10n64 draft took 72 ms.
+    if eagle is not None and runner.compiled:
+        report("Aerie: compiling the draft head's step")
+        eagle.warm_up(lambda line: report(f"Aerie: {line}"))
+    return time.perf_counter() - t0
+
+
+def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> Loaded:
+    """`staged` with its tuner: the latency profile of the engine as it runs now (cached per
+    kernels), the prior from the head's training record, and the memory the trees may use."""
+    spec, engine, drafters, target = staged.spec, staged.engine, staged.drafters, staged.engine.target
+    runner, kernels = engine.runner, staged.kernels
+    offloaded = staged.placement is not None and staged.placement.offload
+    used = ("onednn" if staged.onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
     if "eagle" in drafters and drafters["eagle"].compiled_sizes:
         used += f", head compiled {list(drafters['eagle'].compiled_sizes)}"
     if kernels is not None:
@@ -102,7 +178,21 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
     max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)
     tuner = Tuner(profile, PositionalAcceptance(prior_table(alphas)), pins, drafters, max_size=max_size)
-    return Loaded(engine, tuner, placement, onednn, cached, compile_s, kernels)
+    return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, kernels)
+
+
+def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None) -> Path:
+    """Where a CPU's precompiled graphs for this engine live: one folder per everything a graph's
+    code depends on (the machine, torch, the model's shapes and kernels, the head, the buckets)."""
+    runner = engine.runner
+    key = {"version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
+           "quant": engine.target.quant, "dtype": str(engine.target.dtype),
+           "kernels": kernels.describe() if kernels else None, "head": head_identity(spec.head) if runner.feature_layers else None,
+           "buckets": list(runner.buckets), "capacity": runner.capacity, "features": runner.feature_layers}
+    folder = spec.cache_dir / "graphs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "key.json").write_text(json.dumps(key, indent=1))
+    return folder
 
 
 def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -> KernelChoice:

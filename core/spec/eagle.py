@@ -50,7 +50,7 @@ class EagleDrafter:
                                               dtype=weight.dtype)
             self.vocab_head.weight.data = weight[self.vocab_ids].contiguous()   # (Vd, H)
         self.feature_layers = head.feature_layers(num_target_layers)
-        self.step = HeadStep(head, self.log_probs, context)  # compiled, if at all, in warm_up
+        self.step = HeadStep(head, self.log_probs, context)  # eager until graphs are adopted
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
         self.reshape(tree)
 
@@ -87,12 +87,20 @@ class EagleDrafter:
         self.head_len = min(self.head_len, max(common - 1, 0))
         return self.head_len
 
-    def warm_up(self, report=None) -> None:
-        """Compile the head's step for every bucket and both feature widths it is fed (the target's,
-        its own outputs'), then start over."""
+    @property
+    def feature_widths(self) -> tuple[int, ...]:
+        """The widths of the features the head step is fed: the target's, and its own outputs'."""
         c = self.head.config
-        self.step.warm_up(tuple(dict.fromkeys((len(self.feature_layers) * c.target_width, c.hidden_size))), report)
+        return tuple(dict.fromkeys((len(self.feature_layers) * c.target_width, c.hidden_size)))
+
+    def warm_up(self, report=None) -> None:
+        """Compile the head's step for every bucket and feature width here (core/runtime/head_step.py), then start over."""
+        self.step.warm_up(self.feature_widths, report)
         self.rewind(0)
+
+    def graph_jobs(self):
+        """What a CPU precompiles of this drafter (core/runtime/graphs.py)."""
+        return self.step.graph_jobs(self.feature_widths)
 
     @torch.inference_mode()
     def draft(self, context: list[int], fresh) -> Draft:
@@ -191,8 +199,8 @@ class EagleDrafter:
 
     @property
     def compiled_sizes(self) -> tuple[int, ...]:
-        """The head step's row counts that run as compiled graphs; () while it runs eagerly."""
-        return self.step.buckets if self.step.compiled else ()
+        """The head step's row counts that run as graphs (for every feature width); () while it runs eagerly."""
+        return tuple(rows for rows in self.step.buckets if all(self.step.has_graph(rows, w) for w in self.feature_widths))
 
     def cache_bytes(self) -> int:
         return self.step.nbytes()

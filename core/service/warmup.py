@@ -1,0 +1,89 @@
+"""A just-loaded engine's graphs compiled by a child process while the chat answers eagerly.
+
+Why a child: compiling is mostly Python (tracing, lowering), and Python runs one thread at a time.
+Measured on the 2-core EPYC, a cold compile of one bucket on a thread of the app slowed the eager
+forward beside it from 20 to 175 ms per token (102 ms with a 0.2 ms GIL switch interval, and the
+compile itself took 91 instead of 59 s). A child process shares only the cores, and runs niced,
+so the chat keeps most of them.
+
+The child is `launch.py compile` with the chat's model arguments: it precompiles each graph not
+stored yet into the engine's graph folder (core/runtime/graphs.py) and prints a line per graph.
+The service loads each between two rounds (`adopt_ready`), never mid-round; plain decoding needs
+only the target's 1-token graph, which comes first. When the child exits, the service measures
+the latency profile on the compiled engine (or loads it) and only then starts the tuner, so it
+never plans from eager numbers.
+"""
+
+import queue
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from core.runtime.graphs import Precompiled
+
+STORED = "aerie-compiled "   # the child's line for each graph it stored: STORED + name + seconds
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What a warm-up needs: the staged engine (core/service/factory.py) and the child's command."""
+    staged: object
+    command: list[str]
+
+
+class Warmup:
+    def __init__(self, pending: Pending, on_exit: Callable[["Warmup", int], None]):
+        """Start the child; `on_exit(self, returncode)` is called from a reader thread when it ends."""
+        self.staged = pending.staged
+        self.jobs = {job.name: job for job in self.staged.missing()}
+        self.total, self.adopted = len(self.jobs), 0
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()   # names stored by the child, not adopted yet
+        self.tail: deque = deque(maxlen=3)                     # its last other lines, for an error
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(pending.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     bufsize=1)
+        threading.Thread(target=self._read, args=(on_exit,), name="aerie-compile-reader", daemon=True).start()
+
+    def _read(self, on_exit) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(STORED):
+                self.ready.put(line[len(STORED):].split()[0])
+            elif line.strip():
+                self.tail.append(line.strip())
+                print(line.rstrip(), flush=True)  # the child's progress, in the app's terminal
+        on_exit(self, self.proc.wait())
+
+    def adopt_ready(self) -> int:
+        """On the torch worker, between rounds: load and use each graph stored since; -> how many."""
+        count = 0
+        while True:
+            try:
+                name = self.ready.get_nowait()
+            except queue.Empty:
+                return count
+            job = self.jobs[name]
+            job.adopt(Precompiled(self.staged.graphs / name, job))
+            self.adopted += 1
+            count += 1
+
+    @property
+    def failure(self) -> str:
+        """Why the child stopped early, in its own last words."""
+        return " / ".join(self.tail)[-300:] or "no output"
+
+    @property
+    def status(self) -> str:
+        """One line for the page: what is compiling and what it costs meanwhile."""
+        elapsed = time.monotonic() - self.started
+        return (f"compiling graph {min(self.adopted + 1, self.total)} of {self.total} ({elapsed:.0f} s so far; "
+                "a first start takes a few minutes, later starts load them): until it finishes, answers decode "
+                "plainly on the eager path, slower, and the tuner waits for the compiled speed")
+
+    def stop(self) -> None:
+        """End the child (a model switch, the app's exit) and wait for it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)

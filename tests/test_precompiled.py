@@ -1,0 +1,124 @@
+"""Precompiled graphs (core/runtime/graphs.py) and the warm-up that adopts them between rounds
+(core/service/warmup.py).
+
+Tiny random Llamas (fp32, CPU): a graph precompiled into a folder and loaded runs the runner's and
+the head step's code on the loading owner's own cache; greedy output stays plain decoding's when
+graphs arrive mid-chat, between rounds; a loaded graph refuses inputs it was not compiled for;
+the warm-up adopts each graph a child reports, and reports the child's exit.
+"""
+
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from core.config import SamplingConfig, TreeConfig
+from core.engine import Engine
+from core.runtime.graphs import Precompiled, build
+from core.runtime.runner import RunnerConfig, TargetRunner
+from core.service.warmup import STORED, Pending, Warmup
+from core.spec.drafters import PromptLookupDrafter
+from core.spec.eagle import EagleDrafter
+from tests.conftest import random_head, tiny_llama, tiny_target
+
+BUCKETS = (1, 4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=21, layers=2)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, model):
+    """Every graph of a 2-bucket runner and of an EAGLE head's step, precompiled once."""
+    folder = tmp_path_factory.mktemp("graphs")
+    runner, drafter = runner_and_drafter(model)
+    built = []
+    build(runner.graph_jobs() + drafter.graph_jobs(), folder, stored=lambda name, s: built.append(name), adopt=False)
+    assert sorted(built) == sorted(p.name for p in folder.iterdir()) and len(built) == 2 + 4
+    assert not runner.compiled and drafter.compiled_sizes == ()   # adopt=False: stored only
+    return folder
+
+
+def runner_and_drafter(model) -> tuple[TargetRunner, EagleDrafter]:
+    drafter = EagleDrafter(random_head(model, "eagle1", 12), model.config.num_hidden_layers, TreeConfig(2, 3, 8))
+    runner = TargetRunner(tiny_target(model), RunnerConfig(compile=True, buckets=BUCKETS), drafter.feature_layers)
+    return runner, drafter
+
+
+def tokens_of(steps) -> list[int]:
+    return [t for s in steps for t in s.new_ids]
+
+
+def test_a_stored_graph_loads_and_runs_on_its_new_owner(model, folder):
+    """Loaded into a runner and a head step made after the compile (their own caches), the graphs
+    give eager's numbers, and a second build only loads: nothing is compiled again."""
+    runner, drafter = runner_and_drafter(model)
+    again = []
+    build(runner.graph_jobs() + drafter.graph_jobs(), folder, stored=lambda name, s: again.append(name))
+    assert again == [] and runner.compiled and drafter.compiled_sizes == drafter.step.buckets
+    eager = TargetRunner(tiny_target(model), RunnerConfig(compile=False, buckets=BUCKETS), drafter.feature_layers)
+    prompt = list(range(30, 75))
+    for n in (1, 3, 4, 6):  # exact buckets, padded ones, and chunks past the largest
+        outs = []
+        for r in (eager, runner):
+            r.reset()
+            r.prefill(prompt, 0)
+            outs.append(r.verify(torch.arange(n) + 5, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()))
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(outs[1].features, outs[0].features, atol=1e-5, rtol=1e-5)
+
+
+def test_graphs_adopted_mid_chat_keep_greedy_output(model, folder):
+    """Eager rounds first, then each graph adopted between two rounds, as the warm-up does: the
+    greedy text is plain eager decoding's, for EAGLE and prompt lookup alike."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 6
+    sampling = SamplingConfig(max_new_tokens=60)
+    plain = tokens_of(Engine(tiny_target(model)).generate(prompt, sampling))
+    for make in ("eagle", "prompt_lookup"):
+        runner, drafter = runner_and_drafter(model)
+        jobs = runner.graph_jobs() + (drafter.graph_jobs() if make == "eagle" else [])
+        engine = Engine(tiny_target(model), drafter if make == "eagle" else PromptLookupDrafter(), runner)
+        out, rounds = [], 0
+        for step in engine.generate(prompt, sampling):
+            out += step.new_ids
+            rounds += 1
+            if rounds in (3, 6) and jobs:  # half the graphs after round 3, the rest after round 6
+                half, jobs = jobs[: len(jobs) // 2 or 1], jobs[len(jobs) // 2 or 1:]
+                build(half, folder)
+        assert out == plain, make
+        assert runner.compiled and rounds > 8
+
+
+def test_a_loaded_graph_refuses_inputs_it_was_not_compiled_for(model, folder):
+    runner, _ = runner_and_drafter(model)
+    job = next(j for j in runner.graph_jobs() if j.name == "target-4")
+    graph = Precompiled(folder / job.name, job)
+    ids, positions, mask = job.args
+    wider = runner.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 70)
+    with torch.inference_mode():
+        graph(ids, positions, wider)                       # a longer chat: the same graph
+        for bad in ((ids[:, :2], positions[:, :2], mask[:, :, :2]), (ids.int(), positions, mask), (ids, positions, mask.half())):
+            with pytest.raises(ValueError, match="precompiled for"):
+                graph(*bad)
+    with pytest.raises(ValueError, match="precompiled for"):  # compiled with autograd off
+        graph(ids, positions, mask)
+
+
+def test_the_warmup_adopts_what_the_child_reports_and_says_how_it_ended(model, folder):
+    """A stand-in child that reports the two target graphs, then fails: each is adopted at the next
+    `adopt_ready` (between rounds), and the exit code and last words reach `on_exit`."""
+    runner, _ = runner_and_drafter(model)
+    staged = SimpleNamespace(missing=runner.graph_jobs, graphs=folder)
+    script = (f"import time; print('{STORED}target-1 0.1', flush=True); time.sleep(0.3); "
+              f"print('{STORED}target-4 0.1', flush=True); print('Aerie: no C++ compiler'); raise SystemExit(3)")
+    ended = threading.Event()
+    results = []
+    warmup = Warmup(Pending(staged, [sys.executable, "-c", script]), lambda w, rc: (results.append(rc), ended.set()))
+    assert "compiling graph 1 of 2" in warmup.status
+    assert ended.wait(30)
+    assert results == [3] and "no C++ compiler" in warmup.failure
+    assert warmup.adopt_ready() == 2 and runner.compiled and warmup.adopt_ready() == 0
