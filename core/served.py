@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from core.errors import AerieError
+from core.service.warmup import TUNED
 
 # bench strategy -> the "aerie.strategy" to ask for; None: the server's tuner chooses
 SERVED = {"plain": "plain", "prompt_lookup": "prompt_lookup", "eagle": None}
@@ -108,8 +109,9 @@ def sse_events(lines):
 
 
 class Server:
-    """A `launch.py --no-browser` subprocess, from its start until it prints READY; then its
-    output is drained (kept for an error message) so a full pipe never stalls it."""
+    """A `launch.py --no-browser` subprocess, from its start until it prints READY and TUNED (its
+    graphs compiled, its tuner planning: what the bench measures); then its output is drained
+    (kept for an error message) so a full pipe never stalls it."""
 
     def __init__(self, command: list[str], timeout_s: float = 900.0, echo=print):
         self.process = subprocess.Popen(command, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -119,7 +121,7 @@ class Server:
         self.url = self._wait(timeout_s, echo)
 
     def _wait(self, timeout_s: float, echo) -> str:
-        deadline = time.monotonic() + timeout_s
+        deadline, url = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline and self.process.poll() is None:
             try:
                 line = self.lines.get(timeout=1)
@@ -128,7 +130,9 @@ class Server:
             self.tail = (self.tail + [line])[-40:]
             echo(f"  server: {line.rstrip()}")
             if line.startswith(READY):
-                return line[len(READY):].split()[0]
+                url = line[len(READY):].split()[0]
+            if line.startswith(TUNED):
+                return url
         self.stop()
         raise AerieError("The Aerie server did not start:\n" + "".join(self.tail))
 

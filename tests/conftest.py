@@ -1,6 +1,11 @@
 """Shared fixtures: tiny random Llama targets built in the test, and the real embedded model."""
 
+import queue
 import socket
+import subprocess
+import sys
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,7 +18,8 @@ from models.head_config import head_config_for_target
 from models.heads import build_head
 from models.target import LoadSpec, Target, load_target
 
-ROOT_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ROOT = Path(__file__).resolve().parent.parent
+ROOT_ASSETS = ROOT / "assets"
 
 
 def tiny_llama(vocab_size: int = 256, seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
@@ -94,6 +100,32 @@ def guard_checked(graph):
         return bound(*args)
     call.calls = 0
     return call
+
+
+def start_aerie(cache_dir: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`launch.py --no-browser` in a subprocess; -> (process, base URL) once it says it is ready.
+    Its later lines: `wait_for(proc, prefix)`."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--no-browser", "--port", str(free_port()),
+                             "--cache-dir", str(cache_dir), *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc.lines = queue.Queue()
+    threading.Thread(target=lambda: [proc.lines.put(line) for line in proc.stdout], daemon=True).start()
+    return proc, wait_for(proc, "Aerie: ready at ").split()[3]
+
+
+def wait_for(proc: subprocess.Popen, prefix: str, timeout_s: float = 600) -> str:
+    """The next line of `start_aerie`'s process that starts with `prefix`."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            line = proc.lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if line.startswith(prefix):
+            return line
+    proc.kill()
+    raise AssertionError(f"Aerie never printed {prefix!r}:\n" + "".join(seen[-40:]))
 
 
 def free_port() -> int:

@@ -4,7 +4,6 @@ on one server, a client that hangs up, the service's one-answer-at-a-time lock, 
 
 import json
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from app.api import api_routes
 from core.service.chat import ChatService
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError, StrategyUnavailableError
-from tests.conftest import free_port, served_api
+from tests.conftest import served_api, start_aerie
 from tests.test_ui_handlers import FakeService
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -233,31 +232,11 @@ def test_the_service_answers_one_reply_at_a_time():
 # ---------------------------------------------------------------- the real thing
 
 
-def start_aerie(cache_dir: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`launch.py --no-browser` in a subprocess; -> (process, base URL) once it says it is ready."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--no-browser", "--port", str(free_port()),
-                             "--cache-dir", str(cache_dir), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    deadline, seen = time.monotonic() + 600, []
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            continue
-        seen.append(line)
-        if line.startswith("Aerie: ready at "):
-            return proc, line.split()[3]
-    proc.kill()
-    raise AssertionError("Aerie did not start:\n" + "".join(seen[-40:]))
-
-
 @pytest.mark.slow
 def test_openai_client_streams_from_a_real_aerie(embedded_dir, cache_dir):
     openai = pytest.importorskip("openai")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "AERIE_API_KEY": KEY}
-    proc, url = start_aerie(cache_dir, env=env)
+    proc, url = start_aerie(cache_dir, "--no-compile", env=env)  # the page, not compiling (test_precompiled.py)
     try:
         api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
         model = api.models.list().data[0].id

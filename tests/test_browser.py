@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.store import ChatStore, default_store_path
-from tests.test_api import start_aerie
+from tests.conftest import start_aerie
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
@@ -61,7 +61,7 @@ def server(embedded_dir, cache_dir, tmp_path_factory):
     """-> (base URL, the server's chat store)."""
     data = tmp_path_factory.mktemp("aerie-data")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_DATA_HOME": str(data)}
-    proc, url = start_aerie(cache_dir, env=env)
+    proc, url = start_aerie(cache_dir, "--no-compile", env=env)  # the page, not compiling (test_precompiled.py)
     try:
         yield url, ChatStore(default_store_path({"XDG_DATA_HOME": str(data)}, "linux"))
     finally:

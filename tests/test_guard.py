@@ -14,7 +14,8 @@ from app.api import api_routes
 from app.guard import guard, host_allowed, origin_allowed, policy
 from app.store import ChatStore, default_store_path
 from tests.conftest import free_port
-from tests.test_api import KEY, USER, ApiFake, start_aerie
+from tests.conftest import start_aerie
+from tests.test_api import KEY, USER, ApiFake
 
 PREDICT = {"fn_index": 0, "data": [], "session_hash": "x"}
 

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
+from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
 from core.runtime.kv import static_cache

@@ -2,7 +2,6 @@
 switching in the service (core/service/chat.py, core/service/switching.py), without a network: the download's
 child process runs a stand-in worker that writes blobs the way huggingface_hub does."""
 
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace

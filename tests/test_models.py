@@ -14,7 +14,6 @@ from models import target as target_module
 from models.embedded import EMBEDDED_GGUF, embedded_gguf
 from models.errors import ModelLoadError, UnsupportedModelError
 from models.target import LoadSpec, load_target
-from tests.conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 

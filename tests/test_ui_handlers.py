@@ -14,7 +14,7 @@ import pytest
 from app import handlers
 from app.handlers import Cancels, SettingsError
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
-from core.errors import ContextOverflowError, ModelLoadError, OutOfMemoryError
+from core.errors import ContextOverflowError, OutOfMemoryError
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("You are kind.", 0.0, 1.0, 0, -1, 64, "")  # system prompt, temperature, top_p, top_k, seed, max new, stops

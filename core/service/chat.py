@@ -11,7 +11,7 @@ from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import AerieError, ModelLoadError, StrategyUnavailableError
 from core.service.factory import tune
 from core.service.switching import SwitchReport, fetch, process_bytes, release
-from core.service.warmup import Pending, Warmup
+from core.service.warmup import TUNED, Pending, Warmup
 from core.service.worker import Worker
 from core.spec.drafters import PlainDrafter
 from core.text import IncrementalDetokenizer, StopMatcher, fit_context, merge_spans, round_spans
@@ -64,8 +64,8 @@ class ChatService:
             print(f"Aerie: {self.compile_note}", flush=True)
         self.tuner = tune(warmup.staged, self.probe).tuner
         self.warmup = None
-        print(f"Aerie: {warmup.adopted} of {warmup.total} graphs compiled in {time.monotonic() - warmup.started:.0f} s; "
-              f"the tuner starts: {self.tuning}", flush=True)
+        print(f"{TUNED} after compiling {warmup.adopted} of {warmup.total} graphs in "
+              f"{time.monotonic() - warmup.started:.0f} s: {self.tuning}", flush=True)
 
     def close(self) -> None:
         """Stop a compiling child (at the app's exit)."""
