@@ -211,7 +211,7 @@ def run_app(args: argparse.Namespace) -> None:
     from core.service.factory import load_for_chat
     from core.tune.probe import Probe, load_nvml
     from core.service.switching import preflight
-    from core.service.warmup import TUNED
+    from core.config import TUNED
     from core.service.worker import Worker
 
     probe = Probe(load_nvml())  # one NVML session for placement and the monitor

@@ -19,6 +19,8 @@ import html
 import ipaddress
 import secrets
 import socket
+import time
+from collections import deque
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
@@ -35,6 +37,7 @@ LOGIN_PATH = "/aerie/login"
 STARTUP_PATH = "/gradio_api/startup-events"
 API_PREFIX = "/v1"
 MAX_LOGIN_BYTES = 4096
+LOGIN_TRIES, LOGIN_WINDOW_S = 5, 60.0   # wrong keys at the form before it makes a guesser wait
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,9 @@ def refusal(scope: Scope, p: Policy) -> Response | None:
                        "'Authorization: Bearer KEY'.")
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "access_error", "code": status}}, status_code=status)
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "access_error", "code": status}}, status_code=status,
+                        headers=headers)
 
 
 def login_page(status: int, wrong: bool = False) -> HTMLResponse:
@@ -168,13 +172,33 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
             return body
 
 
-async def login(scope: Scope, receive: Receive, p: Policy) -> Response:
+class LoginThrottle:
+    """After LOGIN_TRIES wrong keys within LOGIN_WINDOW_S, every try waits until the oldest of them
+    is that old: a guesser gets five keys a minute, not thousands a second."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock, self.wrong = clock, deque()
+
+    def wait_s(self) -> float:
+        now = self.clock()
+        while self.wrong and now - self.wrong[0] >= LOGIN_WINDOW_S:
+            self.wrong.popleft()
+        return LOGIN_WINDOW_S - (now - self.wrong[0]) if len(self.wrong) >= LOGIN_TRIES else 0.0
+
+    def failed(self) -> None:
+        self.wrong.append(self.clock())
+
+
+async def login(scope: Scope, receive: Receive, p: Policy, throttle: LoginThrottle) -> Response:
     """The login form's POST: the right key sets the page's cookie and opens the page."""
     if p.key is None:
         return RedirectResponse("/", status_code=303)
+    if (wait := throttle.wait_s()) > 0:
+        return _error(429, f"Too many wrong keys: try again in {wait:.0f} s.", {"Retry-After": f"{wait:.0f}"})
     body = await read_body(receive, MAX_LOGIN_BYTES)
     given = parse_qs((body or b"").decode("utf-8", "replace")).get("key", [""])[0]
     if not secrets.compare_digest(given.encode(), p.key.encode()):
+        throttle.failed()
         return login_page(401, wrong=True)
     response = RedirectResponse("/", status_code=303)
     # HttpOnly: no script reads it; SameSite=Strict: no other site's request carries it.
@@ -187,6 +211,7 @@ class GuardMiddleware:
 
     def __init__(self, app: ASGIApp, policy: Policy):
         self.app, self.policy = app, policy
+        self.throttle = LoginThrottle()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -197,7 +222,7 @@ class GuardMiddleware:
             await send({"type": "websocket.close", "code": 1008})
             return
         if denied is None and scope["type"] == "http" and scope["path"] == LOGIN_PATH:
-            denied = await login(scope, receive, self.policy) if scope["method"] == "POST" else login_page(200)
+            denied = await login(scope, receive, self.policy, self.throttle) if scope["method"] == "POST" else login_page(200)
         if denied is not None:
             await denied(scope, receive, send)
             return

@@ -24,6 +24,7 @@ from core.engine import Engine
 from core.service.factory import EngineSpec, load_tuned, make_drafter, target_load_spec
 from core.served import SERVED, ServedClient, ServedTally
 from core.tune.tuner import Tuner
+from core.tune.turn import TurnLog
 from models.quants import CPU_QUANTS
 from models.target import Target, load_target
 
@@ -51,6 +52,12 @@ class Tally:
     lossless: bool | None = True   # None: a reference on other weights (hf_* on CPU)
     tie_divergences: int = 0    # answers that left plain's only at a near-tie (runner.tie_margin)
     trees: Counter = field(default_factory=Counter)  # tuned runs: prompts per tree shape
+
+    @classmethod
+    def of(cls, log: TurnLog, seconds: float) -> "Tally":
+        s, tree = log.stats, log.plan.tree if log.plan else None
+        return cls(s.new_tokens, seconds, s.target_steps, s.accepted, s.drafted, log.draft_s, log.verify_s, log.commit_s,
+                   trees=Counter([shape_name(tree)]) if tree else Counter())
 
     def add(self, other: "Tally") -> None:
         for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s"):
@@ -99,26 +106,15 @@ def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None
                ties: set[int] | None = None) -> tuple[list[int], Tally]:
     """One greedy answer; with a tuner, planned and learned from as the chat does, one turn per prompt."""
     engine.reset()  # no prefix reuse across prompts: every strategy pays its own prefill
-    plan = tuner.prepare(engine, len(ids)) if tuner else None
-    meter = tuner.meter(engine.drafter.name, len(ids)) if tuner else None
-    out, t = [], Tally(trees=Counter([shape_name(plan.tree)]) if plan and plan.tree else Counter())
-    t0 = time.perf_counter()
-    for i, step in enumerate(engine.generate(ids, SamplingConfig(max_new_tokens=max_new))):
+    log = TurnLog.planned(engine, tuner, len(ids))
+    out, t0 = [], time.perf_counter()
+    for step in engine.generate(ids, SamplingConfig(max_new_tokens=max_new)):
         if ties is not None:
             ties.update(len(out) + j for j in step.near_ties)
         out += step.new_ids
-        t.rounds += 1
-        t.accepted += step.accepted
-        t.drafted += step.drafted
-        if i > 0:  # step 0 is the prefill: the per-round times are for the rounds after it
-            t.draft_s, t.verify_s, t.commit_s = t.draft_s + step.draft_s, t.verify_s + step.verify_s, t.commit_s + step.commit_s
-            if tuner:
-                tuner.observe_round(engine.drafter.name, step.offers)
-                meter.add(step)
-    t.seconds, t.tokens = time.perf_counter() - t0, len(out)
-    if tuner:
-        tuner.end_turn(meter.turn())
-    return out, t
+        log.add(step, time.perf_counter() - t0)
+    log.end()
+    return out, Tally.of(log, time.perf_counter() - t0)
 
 
 def shape_name(tree: TreeConfig) -> str:

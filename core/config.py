@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from models.quants import QUANTS  # noqa: F401  (re-exported for app/, which imports core only)
 
 
+TUNED = "Aerie: tuned"      # the app's line once its engine runs compiled and its tuner plans (bench --serve waits for it)
 PLANNED_CONTEXT = 8192      # KV tokens the plan keeps room for (or the model's context, if shorter)
 
 

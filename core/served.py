@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from core.errors import AerieError
-from core.service.warmup import TUNED
+from core.config import TUNED
 
 # bench strategy -> the "aerie.strategy" to ask for; None: the server's tuner chooses
 SERVED = {"plain": "plain", "prompt_lookup": "prompt_lookup", "eagle": None}

@@ -3,17 +3,19 @@ the embedded model's Q4_1 grid is recovered exactly, and the embedded model in i
 shipped head, compiled, gives plain's greedy text except at logged near-ties."""
 
 import copy
+import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
 from core.bench import load_prompts
 from core.text import render_prompt
-from core.config import SamplingConfig
+from core.config import TUNED, SamplingConfig
 from core.service.factory import EngineSpec, load_tuned
 from models.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_cpu, quantized
-from tests.conftest import ROOT_ASSETS, tiny_llama
+from tests.conftest import ROOT_ASSETS, start_aerie, tiny_llama, wait_for
 
 HEAD = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct"
 
@@ -108,6 +110,36 @@ def test_embedded_model_int4_recovers_its_q4_1_blocks(embedded_target):
     assert (err <= step / 8 + 1e-3).all()        # a re-quantization would be off by up to step / 2
 
 
+def ask(url: str) -> dict:
+    """One short greedy answer through the API; -> Aerie's numbers for it."""
+    reply = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": "aerie", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24,
+        "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["aerie"]
+
+
+@pytest.mark.slow
+def test_a_first_start_opens_before_compiling_and_tunes_after(embedded_dir, cache_dir):
+    """The embedded model on a cache with no graphs yet: the page is up before any graph is
+    compiled, an answer meanwhile decodes plainly and says so; the tuner starts once a child stored
+    all 8 graphs (4 verify buckets, 4 head steps), and the next test loads them in seconds. Before
+    the lossless test below, which then needs no compile of its own."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc, url = start_aerie(cache_dir, env=env)
+    try:
+        during = ask(url)
+        assert during["strategy"] == "plain" and "compiling graph" in during["tuning"], during
+        assert "after compiling 8 of 8 graphs" in wait_for(proc, TUNED)
+        after = ask(url)
+        assert "compiling" not in after["tuning"] and after["speedup"] is not None, after
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    folder = next(k.parent for k in cache_dir.glob("graphs/*/key.json") if "smollm2" in k.read_text())
+    assert len([p for p in folder.iterdir() if p.name != "key.json"]) == 8
+
+
 @pytest.mark.slow
 def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_dir):
     """20 MT-bench prompts x 64 tokens: the tuned EAGLE engine's greedy text equals plain decoding's
@@ -115,6 +147,7 @@ def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_
     every answer matches; a difference starting at a logged near-tie would be allowed."""
     loaded = load_tuned(EngineSpec(quant="int4", device="cpu", cache_dir=cache_dir, head=str(HEAD)))
     engine, tuner = loaded.engine, loaded.tuner
+    print(f"graphs compiled or loaded in {loaded.compile_s:.1f} s")
     assert engine.runner.compiled and engine.runner.exact and engine.target.quant == "int4"
     greedy = SamplingConfig(max_new_tokens=64)
     ties_seen = exact = 0
@@ -137,3 +170,15 @@ def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_
         else:
             exact += 1
     assert exact == 20
+
+
+def test_nf4_on_a_cpu_runs_eagerly_and_says_so(tiny_dir, tmp_path):
+    """bitsandbytes' 4-bit layers broke inside inductor's code on a CPU (issue 21): no graph is
+    compiled for them, one line says why, and the model still answers."""
+    from core.service.factory import stage
+    lines = []
+    staged = stage(EngineSpec(model=str(tiny_dir), quant="nf4", device="cpu", cache_dir=tmp_path), report=lines.append)
+    assert staged.engine.target.quant == "nf4" and staged.graphs is None and not staged.engine.runner.wants_graphs
+    assert [line for line in lines if "nf4 runs eagerly" in line] and len(lines) == 1
+    steps = list(staged.engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=6)))
+    assert sum(len(s.new_ids) for s in steps) == 6

@@ -106,6 +106,28 @@ def test_the_login_form_sets_a_cookie_for_the_page(keyed):
         assert browser.post("/gradio_api/run/predict", json=PREDICT).json()["data"] == ["the saved chats"]
 
 
+def test_the_login_form_makes_a_guesser_wait(keyed):
+    """Five wrong keys in a minute, then even the right one waits (429 with Retry-After)."""
+    url, _ = keyed
+    with httpx.Client(base_url=url) as browser:
+        assert [browser.post("/aerie/login", data={"key": f"guess{i}"}).status_code for i in range(5)] == [401] * 5
+        blocked = browser.post("/aerie/login", data={"key": KEY})
+        assert blocked.status_code == 429 and 50 <= int(blocked.headers["retry-after"]) <= 60 and not browser.cookies
+
+
+def test_the_login_throttle_forgets_a_minute_later():
+    from app.guard import LoginThrottle
+    now = [0.0]
+    throttle = LoginThrottle(clock=lambda: now[0])
+    for _ in range(5):
+        assert throttle.wait_s() == 0
+        throttle.failed()
+    now[0] = 30.0
+    assert throttle.wait_s() == 30.0
+    now[0] = 60.0
+    assert throttle.wait_s() == 0
+
+
 def fn_index(url: str, api_name: str, headers: dict) -> int:
     deps = httpx.get(url + "/config", headers=headers).json()["dependencies"]
     return next(i for i, d in enumerate(deps) if d.get("api_name") == api_name)

@@ -7,12 +7,10 @@ graphs arrive mid-chat, between rounds; a loaded graph refuses inputs it was not
 the warm-up adopts each graph a child reports, and reports the child's exit.
 """
 
-import os
 import sys
 import threading
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import torch
 
@@ -20,10 +18,10 @@ from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.runtime.graphs import Precompiled, build
 from core.runtime.runner import RunnerConfig, TargetRunner
-from core.service.warmup import STORED, TUNED, Pending, Warmup
+from core.service.warmup import STORED, Pending, Warmup
 from core.spec.drafters import PromptLookupDrafter
 from core.spec.eagle import EagleDrafter
-from tests.conftest import random_head, start_aerie, tiny_llama, tiny_target, wait_for
+from tests.conftest import random_head, tiny_llama, tiny_target
 
 BUCKETS = (1, 4)
 
@@ -125,37 +123,3 @@ def test_the_warmup_adopts_what_the_child_reports_and_says_how_it_ended(model, f
     assert results == [3] and "no C++ compiler" in warmup.failure
     assert warmup.adopt_ready() == 2 and runner.compiled and warmup.adopt_ready() == 0
 
-
-def ask(url: str) -> dict:
-    """One short greedy answer through the API; -> Aerie's numbers for it."""
-    reply = httpx.post(url + "/v1/chat/completions", timeout=300, json={
-        "model": "aerie", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24,
-        "temperature": 0})
-    assert reply.status_code == 200, reply.text
-    return reply.json()["aerie"]
-
-
-@pytest.mark.slow
-def test_a_first_start_opens_before_compiling_and_tunes_after(tiny_dir, tmp_path):
-    """A fresh cache: the page is up before any graph is compiled, an answer meanwhile decodes
-    plainly and says so; the tuner starts once a child stored all 8 graphs (4 verify buckets, 4 head
-    steps), and a second start loads them and is tuned at once, with no child."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    args = ("--model", str(tiny_dir), "--quant", "int4", "--head", "random")
-    proc, url = start_aerie(tmp_path, *args, env=env)
-    try:
-        during = ask(url)
-        assert during["strategy"] == "plain" and "compiling graph" in during["tuning"], during
-        assert "after compiling 8 of 8 graphs" in wait_for(proc, TUNED)
-        after = ask(url)
-        assert "compiling" not in after["tuning"] and after["speedup"] is not None, after
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    assert len([p for p in (tmp_path / "graphs").glob("*/*") if p.name != "key.json"]) == 8
-    proc, url = start_aerie(tmp_path, *args, env=env)
-    try:
-        assert "at start" in wait_for(proc, TUNED, 120)
-    finally:
-        proc.terminate()
-        proc.wait(30)

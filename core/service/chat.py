@@ -3,7 +3,6 @@ torch worker thread; text in and out through core/text.py."""
 
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
@@ -11,13 +10,14 @@ from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import AerieError, ModelLoadError, StrategyUnavailableError
 from core.service.factory import tune
 from core.service.switching import SwitchReport, fetch, process_bytes, release
-from core.service.warmup import TUNED, Pending, Warmup
+from core.config import TUNED
+from core.service.warmup import Pending, Warmup
 from core.service.worker import Worker
 from core.spec.drafters import PlainDrafter
 from core.text import IncrementalDetokenizer, StopMatcher, fit_context, merge_spans, round_spans
 from core.tune.monitor import Snapshot, snapshot
 from core.tune.probe import Probe
-from core.tune.tuner import Meter
+from core.tune.turn import TurnLog
 
 
 class ChatService:
@@ -158,13 +158,13 @@ class ChatService:
                   if fitted.dropped_turns else None)
         detok, stops = IncrementalDetokenizer(tokenizer), StopMatcher(stop_strings)
         previous = engine.drafter
-        stats, meter = self._start(len(fitted.ids), strategy)
+        log = self._start(len(fitted.ids), strategy)
         steps, t0 = engine.generate(fitted.ids, sampling, cancel), time.perf_counter()
         try:
             for step in steps:
                 if self.warmup is not None:  # between two rounds: graphs the child stored since
                     self.warmup.adopt_ready()
-                stats = self._account(stats, step, time.perf_counter() - t0, meter)
+                stats = log.add(step, time.perf_counter() - t0)
                 spans, hit_stop = stops.push_spans(round_spans(detok, step.new_ids, step.accepted))
                 finish = "stop" if hit_stop else step.finish
                 if finish and not hit_stop:
@@ -173,28 +173,28 @@ class ChatService:
                 notice = None
                 if finish:
                     return
-            yield ReplyEvent.of(stops.flush_spans(), stats, notice, "cancelled")
+            yield ReplyEvent.of(stops.flush_spans(), log.stats, notice, "cancelled")
         finally:
             steps.close()  # frees the engine now, not when the generator is collected
             if strategy is not None:
                 engine.set_drafter(previous)  # an override lasts one answer
-            if meter is not None and strategy is None:
-                self.tuner.end_turn(meter.turn())
+            log.end()
 
-    def _start(self, prompt_len: int, strategy: str | None) -> tuple[ReplyStats, Meter | None]:
-        """Set the engine up for one answer: the tuner's plan, or the drafter `strategy` names."""
-        if strategy is None and self.warmup is not None:
+    def _start(self, prompt_len: int, strategy: str | None) -> TurnLog:
+        """Set the engine up for one answer: the tuner's plan, the drafter `strategy` names (not
+        counted as the tuner's turn), or while the graphs compile, plain decoding (the pinned
+        strategy, if any)."""
+        if strategy is None and self.warmup is None:
+            return TurnLog.planned(self.engine, self.tuner, prompt_len)
+        if strategy is None:
             self.warmup.adopt_ready()
-            self.engine.set_drafter(self._drafter(self.warmup.staged.spec.pins.strategy or "plain"))
-            reason = self.warmup.status
-        elif strategy is None:
-            plan = self.tuner.prepare(self.engine, prompt_len) if self.tuner else None
-            reason = plan.reason if plan else ""
+            strategy = self.warmup.staged.spec.pins.strategy or "plain"
+            reason, counted = self.warmup.status, False
         else:
-            self.engine.set_drafter(self._drafter(strategy))
-            reason = f"{strategy} for this answer, as asked (not the tuner's choice, not counted as its turn)"
+            reason, counted = f"{strategy} for this answer, as asked (not the tuner's choice, not counted as its turn)", False
+        self.engine.set_drafter(self._drafter(strategy))
         stats = ReplyStats(strategy=self.engine.drafter.name, prompt_tokens=prompt_len, tuning=reason)
-        return stats, self.tuner.meter(stats.strategy, prompt_len) if self.tuner else None
+        return TurnLog.start(stats, self.tuner, counted)
 
     def _drafter(self, strategy: str):
         drafters = dict(self.tuner.drafters if self.tuner else self.warmup.staged.drafters if self.warmup
@@ -215,15 +215,3 @@ class ChatService:
             return self.warmup.status
         plan = self.tuner.plan(self.tuner.profile.contexts[0]).reason if self.tuner else ""
         return "; ".join(filter(None, [plan, self.compile_note]))
-
-    def _account(self, stats: ReplyStats, step, elapsed_s: float, meter: Meter | None) -> ReplyStats:
-        """Add one engine step to the running stats (and teach the tuner). Step 0 is the prefill;
-        the rounds after it are what the speedup gauge compares with plain decoding."""
-        stats = replace(stats, new_tokens=stats.new_tokens + len(step.new_ids), elapsed_s=elapsed_s,
-                        target_steps=stats.target_steps + 1, drafted=stats.drafted + step.drafted,
-                        accepted=stats.accepted + step.accepted)
-        if stats.target_steps == 1 or meter is None:
-            return stats
-        self.tuner.observe_round(stats.strategy, step.offers)
-        meter.add(step)
-        return replace(stats, round_tokens=meter.tokens, round_s=meter.engine_s, plain_ms=meter.plain_ms)

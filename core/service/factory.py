@@ -136,8 +136,14 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
     if strategy == "eagle":
         drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), kernels.head if kernels else "int8")
     # oneDNN's prepacked fp32 linears compiled through MKL instead ran slower than eager oneDNN (25 vs
-    # 42 tokens/s here): an fp32 CPU model stays eager.
-    runner = TargetRunner(target, RunnerConfig(compile=spec.compile and not onednn, buckets=cpu_buckets(kernels)),
+    # 42 tokens/s here): an fp32 CPU model stays eager. bitsandbytes' 4-bit layers on a CPU broke
+    # inside inductor's code (an assert_size_stride after 305 s of compiling): they run eagerly too.
+    nf4_cpu = target.quant == "nf4" and target.device.type == "cpu"
+    if nf4_cpu and spec.compile:
+        report("Aerie: nf4 runs eagerly on a CPU: bitsandbytes' 4-bit layers do not compile here "
+               "(--quant int4, the CPU default, does).")
+    runner = TargetRunner(target, RunnerConfig(compile=spec.compile and not onednn and not nf4_cpu,
+                                               buckets=cpu_buckets(kernels)),
                           drafters["eagle"].feature_layers if "eagle" in drafters else None)
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
     graphs = graph_folder(spec, engine, kernels) if runner.wants_graphs and target.device.type == "cpu" else None

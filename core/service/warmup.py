@@ -25,7 +25,6 @@ from typing import Callable
 from core.runtime.graphs import Precompiled
 
 STORED = "aerie-compiled "   # the child's line for each graph it stored: STORED + name + seconds
-TUNED = "Aerie: tuned"       # the app's line once its engine runs compiled and its tuner plans (bench --serve waits for it)
 
 
 @dataclass(frozen=True)
