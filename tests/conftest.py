@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import gradio as gr
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -126,6 +127,14 @@ def wait_for(proc: subprocess.Popen, prefix: str, timeout_s: float = 600) -> str
             return line
     proc.kill()
     raise AssertionError(f"Aerie never printed {prefix!r}:\n" + "".join(seen[-40:]))
+
+
+@pytest.fixture
+def toasts(monkeypatch):
+    shown = []
+    monkeypatch.setattr(gr, "Warning", lambda message, **kw: shown.append(("warning", message, kw)))
+    monkeypatch.setattr(gr, "Info", lambda message, **kw: shown.append(("info", message, kw)))
+    return shown
 
 
 def free_port() -> int:

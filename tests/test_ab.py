@@ -14,9 +14,9 @@ from core.text import IncrementalDetokenizer, StopMatcher, round_spans
 from core.config import SamplingConfig
 from core.engine import Engine
 from tests.conftest import load_tuned_tiny
-from tests.test_chat import MULTIBYTE
-from tests.test_speculative import OracleDrafter
-from tests.test_ui_handlers import session
+from tests.fakes import MULTIBYTE
+from tests.fakes import OracleDrafter
+from tests.fakes import session
 
 HELLO = [{"role": "user", "content": "Say hello to the comparison."}]
 

@@ -12,7 +12,7 @@ from app.answers import Answer
 from app.handlers import Cancels
 from app.store import ChatStore
 from core.config import ReplyEvent, ReplyStats
-from tests.test_ui_handlers import FakeService, session, toasts  # noqa: F401 - toasts is a fixture
+from tests.fakes import FakeService, session
 
 GREEDY = ("Be brief.", 0.0, 1.0, 0, -1, 64, "")  # system prompt, temperature, top_p, top_k, seed, max new, stops
 SAMPLED = ("Be brief.", 0.7, 0.9, 0, 5, 64, "")

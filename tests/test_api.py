@@ -12,29 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
 
-from app.api import api_routes
 from core.service.chat import ChatService
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError, StrategyUnavailableError
 from tests.conftest import served_api, start_aerie
-from tests.test_ui_handlers import FakeService
+from tests.fakes import ApiFake, KEY, USER, client
 
 ROOT = Path(__file__).resolve().parent.parent
-USER = [{"role": "user", "content": "Hi"}]
-KEY = "sk-aerie-test"
-
-
-class ApiFake(FakeService):
-    model_name = "fake-1b"
-
-
-def client(service=None, api_key=None, defaults=SamplingConfig()) -> TestClient:
-    return TestClient(FastAPI(routes=api_routes(service or ApiFake(), api_key, defaults)))
-
-
 def sse_data(lines) -> list:
     """The data of each server-sent event, JSON-decoded, with the closing [DONE] kept as is."""
     data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]

@@ -9,7 +9,7 @@ import pytest
 from app.api_request import readable
 from core.config import ReplyEvent, ReplyStats
 from core.errors import ContextOverflowError
-from tests.test_api import USER, ApiFake, client
+from tests.fakes import USER, ApiFake, client
 
 BODY = json.dumps({"messages": USER}).encode()
 

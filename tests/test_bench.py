@@ -13,7 +13,7 @@ from tests.conftest import ROOT_ASSETS
 
 def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
     spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random",
-                      pins=Pins(depth=2, top_k=3, total_tokens=6))
+                      pins=Pins(depth=2, top_k=3, total_tokens=6), compile=False)
     report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=3, max_new=6,
                    fixed_trees={"eagle_default_tree": TreeConfig(6, 10, 60)})
     assert report["prompts"] == 3 and report["model"] == tiny_dir.name

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.conftest import start_aerie
-from tests.test_api import KEY
+from tests.fakes import KEY
 from tests.test_browser import ANSWERS, CHROMIUM, RECORDER, SEE_MS, VIEWPORT, ask, button, expect, stats, sync_api
 
 pytestmark = [pytest.mark.slow,

@@ -13,8 +13,8 @@ from core.config import SamplingConfig
 from core.engine import Engine
 from core.errors import ContextOverflowError
 from tests.conftest import tiny_target
+from tests.fakes import MULTIBYTE
 
-MULTIBYTE = "Grüße aus Köln! 東京タワー 🚀🦅 naïve café — ½ × π ≈ 1.57"
 
 
 def collect(service, messages, sampling=SamplingConfig(max_new_tokens=40), stops=()):

@@ -16,7 +16,7 @@ import pytest
 from app import chats
 from app.handlers import Cancels
 from app.store import ChatStore, StoreError
-from tests.test_ui_handlers import SETTINGS, FakeService, session, toasts  # noqa: F401 - toasts is a fixture
+from tests.fakes import SETTINGS, FakeService, session
 
 ROOT = Path(__file__).resolve().parent.parent
 

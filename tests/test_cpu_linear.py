@@ -11,7 +11,8 @@ from models.cpu_quant import OneDnnLinear
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from tests.conftest import tiny_llama, tiny_target
-from tests.test_eagle import random_head, run
+from tests.conftest import random_head
+from tests.fakes import run
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 

@@ -142,7 +142,7 @@ def test_a_first_start_opens_before_compiling_and_tunes_after(embedded_dir, cach
 
 @pytest.mark.slow
 def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_dir):
-    """20 MT-bench prompts x 64 tokens: the tuned EAGLE engine's greedy text equals plain decoding's
+    """12 MT-bench prompts x 64 tokens: the tuned EAGLE engine's greedy text equals plain decoding's
     on the same runner. The fp64 KV cache makes a tree's logits equal sequential decoding's, so
     every answer matches; a difference starting at a logged near-tie would be allowed."""
     loaded = load_tuned(EngineSpec(quant="int4", device="cpu", cache_dir=cache_dir, head=str(HEAD)))
@@ -151,7 +151,7 @@ def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_
     assert engine.runner.compiled and engine.runner.exact and engine.target.quant == "int4"
     greedy = SamplingConfig(max_new_tokens=64)
     ties_seen = exact = 0
-    for prompt in load_prompts(ROOT_ASSETS / "bench" / "mt_bench.jsonl", 20):
+    for prompt in load_prompts(ROOT_ASSETS / "bench" / "mt_bench.jsonl", 12):
         ids = render_prompt(engine.target.tokenizer, [{"role": "user", "content": prompt.text}])
         outputs, ties = [], set()
         for name in ("plain", "eagle"):
@@ -169,7 +169,7 @@ def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_
             ties_seen += 1
         else:
             exact += 1
-    assert exact == 20
+    assert exact == 12
 
 
 def test_nf4_on_a_cpu_runs_eagerly_and_says_so(tiny_dir, tmp_path):

@@ -9,10 +9,9 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.spec.tree import MC_SIM_7B_63
 from tests.conftest import random_head, tiny_llama, tiny_target
+from tests.fakes import run
 
 
-def run(engine, prompt, sampling):
-    return [t for s in engine.generate(prompt, sampling) for t in s.new_ids]
 
 
 @pytest.mark.parametrize("kind, draft_vocab", [("eagle1", None), ("eagle3", None), ("eagle3", 100)])

@@ -13,7 +13,7 @@ from core.engine import Engine
 from core.runtime.runner import RunnerConfig, TargetRunner
 from models.target import LoadSpec, load_target
 from tests.conftest import random_head
-from tests.test_eagle import run
+from tests.fakes import run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

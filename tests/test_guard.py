@@ -15,7 +15,7 @@ from app.guard import guard, host_allowed, origin_allowed, policy
 from app.store import ChatStore, default_store_path
 from tests.conftest import free_port
 from tests.conftest import start_aerie
-from tests.test_api import KEY, USER, ApiFake
+from tests.fakes import KEY, USER, ApiFake
 
 PREDICT = {"fn_index": 0, "data": [], "session_hash": "x"}
 

@@ -86,7 +86,7 @@ class FakeEngine:
 def fake_loader(choice):
     if choice.head == "bad/head":
         raise HeadMismatchError("The head expects hidden size 4096; the target has 576.")
-    return SimpleNamespace(engine=FakeEngine(choice.model or "embedded"), tuner=None)
+    return SimpleNamespace(engine=FakeEngine(choice.model or "embedded"), tuner=None, pending=None)
 
 
 def test_switch_reports_memory_and_a_failed_switch_restores_the_old_model(monkeypatch):
@@ -111,7 +111,7 @@ def test_an_unexpected_load_error_still_brings_the_old_model_back(monkeypatch):
     def loader(choice):
         if choice.model == "broken":
             raise RuntimeError("SafetensorError: invalid header\nmore detail")
-        return SimpleNamespace(engine=FakeEngine(choice.model), tuner=None)
+        return SimpleNamespace(engine=FakeEngine(choice.model), tuner=None, pending=None)
 
     service = ChatService(FakeEngine("old"), loader, choice=ModelChoice("old", "none", None))
     with pytest.raises(ModelLoadError, match=r"RuntimeError: SafetensorError: invalid header\)\. The previous model"):

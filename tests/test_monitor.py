@@ -15,7 +15,7 @@ from core.tune.monitor import engine_memory, gpu_bars, snapshot
 from core.tune.probe import GpuReading, Probe
 from core.tune.latency import cached_profile
 from tests.conftest import load_tuned_tiny
-from tests.test_tuner import FakeNvml
+from tests.fakes import FakeNvml
 
 GIB = 2**30
 HELLO = [{"role": "user", "content": "Say hello to the tuner."}]

@@ -8,7 +8,7 @@ from app import saved_settings
 from app.store import ChatStore
 from app.ui import UiDefaults, build_ui
 from core.config import SamplingConfig
-from tests.test_ui_handlers import FakeService
+from tests.fakes import FakeService
 
 DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": -1, "max_new_tokens": 512, "stop_text": ""}
 LIMITS = {"temperature": (0, 2), "top_p": (0.01, 1), "top_k": (0, 200), "max_new_tokens": (1, 4096)}

@@ -1,48 +1,17 @@
 """DESIGN invariants 1 and 4 for every drafter: greedy speculative output equals plain greedy output
 token for token (any tree shape, prompt length, stop token, budget); sampling is reproducible."""
 
-import random
 
 import pytest
 import torch
 
 from core.config import SamplingConfig
-from core.spec.drafters import PromptLookupDrafter, trie_tree
-from core.spec.tree import Draft
+from core.spec.drafters import PromptLookupDrafter
 from core.engine import Engine
 from tests.conftest import tiny_llama, tiny_target
+from tests.fakes import OracleDrafter, run
 
 
-class OracleDrafter:
-    """Random trees that sometimes contain the true greedy continuation (from a plain run), so
-    rounds accept anything from nothing to a whole deep path."""
-
-    name = "oracle"
-    feature_layers = None
-
-    def __init__(self, truth: list[int], seed: int, vocab: int = 256):
-        self.truth, self.rng, self.vocab = truth, random.Random(seed), vocab
-
-    def rewind(self, common: int) -> int:
-        return common
-
-    def memory_bytes(self, borrowed: set[int]) -> int:
-        return 0
-
-    def draft(self, context, fresh):
-        branches = []
-        for _ in range(self.rng.randint(0, 4)):
-            depth = self.rng.randint(1, 6)
-            pos = len(context)
-            good = self.truth[pos:pos + depth] if self.rng.random() < 0.6 else []
-            keep = self.rng.randint(0, len(good))
-            branch = good[:keep] + [self.rng.randrange(self.vocab) for _ in range(depth - keep)]
-            branches.append(branch)
-        return Draft(trie_tree(context[-1], branches))
-
-
-def run(engine, prompt, sampling):
-    return [t for s in engine.generate(prompt, sampling) for t in s.new_ids]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -17,38 +17,12 @@ from core.spec.tree import make_tree
 from core.tune.tuner import (MIN_DRAFTS, PositionalAcceptance, PROBE_EVERY, Meter, Pins, Tuner, Turn, best_shape, node_values,
                               prior_table)
 from core.spec.verify import Acceptance as Accepted, path_offers
+from tests.fakes import FakeNvml
 
 LLAMA2_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096,
              "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096}
 LLAMA3_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
              "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192}
-
-
-class FakeNvml:
-    """pynvml's surface as Aerie uses it, for cards of the given sizes (GiB) with `used` GiB taken."""
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self, cards, used=0.5, fail_init=False):
-        self.cards, self.used, self.fail_init = cards, used, fail_init
-
-    def nvmlInit(self):
-        if self.fail_init:
-            raise self.NVMLError("Driver Not Loaded")
-
-    def nvmlDeviceGetCount(self):
-        return len(self.cards)
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
-
-    def nvmlDeviceGetMemoryInfo(self, i):
-        total, used = int(self.cards[i] * GIB), int(self.used * GIB)
-        return SimpleNamespace(total=total, used=used, free=total - used)
-
-    def nvmlDeviceGetName(self, i):
-        return f"Fake {self.cards[i]} GB".encode()
 
 
 # ---------------------------------------------------------------- probe

@@ -13,55 +13,11 @@ import pytest
 
 from app import handlers
 from app.handlers import Cancels, SettingsError
-from core.config import ReplyEvent, ReplyStats, SamplingConfig
+from core.config import ReplyStats, SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError
+from tests.fakes import FakeService, SETTINGS, session
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = ("You are kind.", 0.0, 1.0, 0, -1, 64, "")  # system prompt, temperature, top_p, top_k, seed, max new, stops
-
-
-class FakeService:
-    """Streams `words` one event each, checking the cancel flag between steps like the engine."""
-
-    def __init__(self, words=("Hello", " there", ",", " friend", "."), fail_at=None, error=None,
-                 delay=0.0, notice=None):
-        self.words, self.fail_at, self.error, self.delay, self.notice = words, fail_at, error, delay, notice
-        self.label = "Fake-1B · cpu · fp32 · plain decoding"
-        self.default_system_prompt = "You are kind."
-        self.calls = []
-        self.finish = None
-
-    def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None):
-        self.calls.append(SimpleNamespace(messages=messages, system_prompt=system_prompt, sampling=sampling,
-                                          stop_strings=stop_strings, cancel=cancel, strategy=strategy))
-        for i, word in enumerate(self.words):
-            if i == self.fail_at:
-                raise self.error
-            if cancel.is_set():
-                self.finish = "cancelled"
-                yield ReplyEvent("", self._stats(i), finish="cancelled")
-                return
-            time.sleep(self.delay)
-            yield ReplyEvent(word, self._stats(i + 1), notice=self.notice if i == 0 else None)
-        self.finish = "eos"
-        yield ReplyEvent("", self._stats(len(self.words)), finish="eos")
-
-    @staticmethod
-    def _stats(n):
-        return ReplyStats(new_tokens=n, elapsed_s=0.5 * max(n, 1), target_steps=n, drafted=2 * n,
-                          accepted=n, strategy="eagle")
-
-
-@pytest.fixture
-def toasts(monkeypatch):
-    shown = []
-    monkeypatch.setattr(gr, "Warning", lambda message, **kw: shown.append(("warning", message, kw)))
-    monkeypatch.setattr(gr, "Info", lambda message, **kw: shown.append(("info", message, kw)))
-    return shown
-
-
-def session(name="s1"):
-    return SimpleNamespace(session_hash=name)
 
 
 def run(service, message, history=(), settings=SETTINGS, cancels=None, request=None):
