@@ -112,12 +112,13 @@ def test_the_warmup_adopts_what_the_child_reports_and_says_how_it_ended(model, f
     """A stand-in child that reports the two target graphs, then fails: each is adopted at the next
     `adopt_ready` (between rounds), and the exit code and last words reach `on_exit`."""
     runner, _ = runner_and_drafter(model)
-    staged = SimpleNamespace(missing=runner.graph_jobs, graphs=folder)
+    staged = SimpleNamespace(graphs=folder)
     script = (f"import time; print('{STORED}target-1 0.1', flush=True); time.sleep(0.3); "
               f"print('{STORED}target-4 0.1', flush=True); print('Aerie: no C++ compiler'); raise SystemExit(3)")
     ended = threading.Event()
     results = []
-    warmup = Warmup(Pending(staged, [sys.executable, "-c", script]), lambda w, rc: (results.append(rc), ended.set()))
+    warmup = Warmup(Pending(staged, runner.graph_jobs(), [sys.executable, "-c", script]),
+                    lambda w, rc: (results.append(rc), ended.set()))
     assert "compiling graph 1 of 2" in warmup.status
     assert ended.wait(30)
     assert results == [3] and "no C++ compiler" in warmup.failure

@@ -143,13 +143,13 @@ class Precompiled:
 def build(jobs: list[GraphJob], folder: Path, report=None, stored=None, adopt: bool = True) -> None:
     """Each job's graph: precompiled into `folder` unless an earlier run stored it there (then
     `stored(name, seconds)`), and with `adopt` loaded and handed to its owner."""
-    missing = [job for job in jobs if not (folder / job.name).is_file()]
+    missing, start = [job for job in jobs if not (folder / job.name).is_file()], time.perf_counter()
     for job in jobs:
         if job in missing:
             t0 = time.perf_counter()
             if report is not None:
-                report(f"compiling {job.label} ({missing.index(job) + 1} of {len(missing)}; a first start compiles "
-                       "each in under a minute, later starts load them)")
+                report(f"compiling {job.label} ({missing.index(job) + 1} of {len(missing)}, {t0 - start:.0f} s so far; "
+                       "a first start compiles each in under a minute, later starts load them)")
             precompile(job, folder)
             if stored is not None:
                 stored(job.name, time.perf_counter() - t0)

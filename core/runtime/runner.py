@@ -202,6 +202,11 @@ class TargetRunner:
         """Whether every bucket runs as a graph."""
         return all(size in self._graphs for size in self.buckets)
 
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """The buckets that run as graphs (all of them once compiled, some after a failed compile)."""
+        return tuple(size for size in self.buckets if size in self._graphs)
+
     def graph_jobs(self) -> list[GraphJob]:
         """What a CPU precompiles (core/runtime/graphs.py): each bucket's forward on example inputs
         of its shapes; the mask's width stays symbolic. Nothing is fed: tracing runs nothing."""

@@ -44,6 +44,8 @@ class ChatService:
         self.busy = threading.Lock()
         self.warmup: Warmup | None = None   # a child compiling this engine's graphs; no tuner until it ends
         self.compile_note = ""              # why graphs are missing, once a warm-up failed
+        self._plan = ""                     # `tuning`'s plan, worked out on the worker
+        self.worker.call(self._replan)
         self._warm(pending)
 
     def _warm(self, pending: Pending | None) -> None:
@@ -63,6 +65,7 @@ class ChatService:
             self.compile_note = f"Compiling stopped ({warmup.failure}); the missing graphs run eagerly."
             print(f"Aerie: {self.compile_note}", flush=True)
         self.tuner = tune(warmup.staged, self.probe).tuner
+        self._replan()
         self.warmup = None
         print(f"{TUNED} after compiling {warmup.adopted} of {warmup.total} graphs in "
               f"{time.monotonic() - warmup.started:.0f} s: {self.tuning}", flush=True)
@@ -109,6 +112,7 @@ class ChatService:
         except Exception as e:  # noqa: BLE001 - whatever failed, the previous model must come back
             self._restore(e)
         self.engine, self.tuner, self.choice = loaded.engine, loaded.tuner, choice
+        self._replan()
         self._warm(loaded.pending)
         used = process_bytes(self.engine.target.device) - (freed_to if self.engine.target.device == device else 0)
         return SwitchReport(self.label, str(self.engine.target.device), max(before - freed_to, 0), max(used, 0))
@@ -124,6 +128,7 @@ class ChatService:
             raise ModelLoadError(f"{message} Reloading the previous model failed too ({type(again).__name__}); "
                                  "restart Aerie.") from again
         self.engine, self.tuner = loaded.engine, loaded.tuner
+        self._replan()
         self._warm(loaded.pending)
         kind = type(error) if isinstance(error, AerieError) else ModelLoadError
         raise kind(f"{message} The previous model is loaded again.") from error
@@ -179,6 +184,7 @@ class ChatService:
             if strategy is not None:
                 engine.set_drafter(previous)  # an override lasts one answer
             log.end()
+            self._replan()
 
     def _start(self, prompt_len: int, strategy: str | None) -> TurnLog:
         """Set the engine up for one answer: the tuner's plan, the drafter `strategy` names (not
@@ -210,8 +216,13 @@ class ChatService:
 
     @property
     def tuning(self) -> str:
-        """What the tuner would choose for a new short chat, and why (or what is compiling meanwhile)."""
+        """What the tuner would choose for a new short chat, and why (or what is compiling meanwhile).
+        Any thread may ask (the page's monitor does): the plan is worked out on the worker after each
+        turn (`_replan`), since torch ops on another thread would give it an OpenMP team of its own."""
         if self.warmup is not None:
             return self.warmup.status
-        plan = self.tuner.plan(self.tuner.profile.contexts[0]).reason if self.tuner else ""
-        return "; ".join(filter(None, [plan, self.compile_note]))
+        return "; ".join(filter(None, [self._plan, self.compile_note]))
+
+    def _replan(self) -> None:
+        """On the worker: the tuner's plan for a new short chat, for `tuning`."""
+        self._plan = self.tuner.plan(self.tuner.profile.contexts[0]).reason if self.tuner else ""

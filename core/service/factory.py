@@ -124,7 +124,7 @@ def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec], list
         return tune(staged, probe, compile_graphs(staged, report))
     staged.adopt_stored()
     return Loaded(staged.engine, None, staged.placement, staged.onednn, False, 0.0, staged.kernels,
-                  Pending(staged, compile_command(spec)))
+                  Pending(staged, staged.missing(), compile_command(spec)))
 
 
 def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
@@ -172,7 +172,8 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
     spec, engine, drafters, target = staged.spec, staged.engine, staged.drafters, staged.engine.target
     runner, kernels = engine.runner, staged.kernels
     offloaded = staged.placement is not None and staged.placement.offload
-    used = ("onednn" if staged.onednn else "default") + (f" compiled {list(runner.buckets)}" if runner.compiled else " eager")
+    # What the profile was timed on: a warm-up that failed part-way leaves some buckets eager.
+    used = ("onednn" if staged.onednn else "default") + (f" compiled {list(runner.graph_sizes)}" if runner.graph_sizes else " eager")
     if "eagle" in drafters and drafters["eagle"].compiled_sizes:
         used += f", head compiled {list(drafters['eagle'].compiled_sizes)}"
     if kernels is not None:

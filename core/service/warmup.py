@@ -29,8 +29,12 @@ STORED = "aerie-compiled "   # the child's line for each graph it stored: STORED
 
 @dataclass(frozen=True)
 class Pending:
-    """What a warm-up needs: the staged engine (core/service/factory.py) and the child's command."""
+    """What a warm-up needs: the staged engine (core/service/factory.py), the graphs it lacks and
+    the child's command. Made on the torch worker: a job's example inputs are tensors, and a tensor
+    op on another thread (the app's main one) gives that thread an OpenMP team of its own, which
+    halved the worker's speed for the life of the process (plain decoding 30-37 vs 63-81 tok/s)."""
     staged: object
+    jobs: list
     command: list[str]
 
 
@@ -38,7 +42,7 @@ class Warmup:
     def __init__(self, pending: Pending, on_exit: Callable[["Warmup", int], None]):
         """Start the child; `on_exit(self, returncode)` is called from a reader thread when it ends."""
         self.staged = pending.staged
-        self.jobs = {job.name: job for job in self.staged.missing()}
+        self.jobs = {job.name: job for job in pending.jobs}
         self.total, self.adopted = len(self.jobs), 0
         self.ready: queue.SimpleQueue = queue.SimpleQueue()   # names stored by the child, not adopted yet
         self.tail: deque = deque(maxlen=3)                     # its last other lines, for an error
