@@ -212,15 +212,7 @@ def time_head_step(drafter, engine, ids: list[int], width: int) -> float:
     """ms of one head step at frontier `width`: forward, draft scores and their top-k."""
     engine.reset()
     features = engine.prefill(ids).features  # the drafter asked for them: (context, F)
-    out, _ = drafter.catch_up(features[:-1], ids[1:])  # pairs (f_t, x_{t+1}); the head's cache now holds them
-    tokens = torch.tensor(ids[:width], device=out.device)
-    parent_out = out[None].expand(width, -1)
-    ancestors = torch.eye(width, dtype=torch.bool, device=out.device)
-
-    def once() -> None:  # each call writes the same rows after the context's pairs
-        drafter.feed_frontier(tokens, parent_out, ancestors, 0)[1].topk(width, dim=-1)
-
-    return timed(engine.device, once)
+    return timed(engine.device, drafter.frontier_step(features[:-1], ids[1:], width))  # pairs (f_t, x_{t+1})
 
 
 def time_draft(drafter, engine, ids: list[int], tree: TreeConfig) -> float:
