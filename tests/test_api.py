@@ -221,7 +221,7 @@ def test_the_service_answers_one_reply_at_a_time():
 def test_openai_client_streams_from_a_real_aerie(embedded_dir, cache_dir):
     openai = pytest.importorskip("openai")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "AERIE_API_KEY": KEY}
-    proc, url = start_aerie(cache_dir, "--no-compile", env=env)  # the page, not compiling (test_precompiled.py)
+    proc, url = start_aerie(cache_dir, "--no-compile", env=env)  # the page, not compiling (test_cpu_quant.py)
     try:
         api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
         model = api.models.list().data[0].id
