@@ -161,12 +161,44 @@ def test_a_real_aerie_guards_its_page_and_api_and_keeps_exports_private(embedded
         shown = httpx.post(url + "/gradio_api/run/predict", headers=auth,
                            json={"fn_index": export, "data": [1], "session_hash": "x"})
         copy = Path(shown.json()["data"][0]["value"]["path"])
-        assert httpx.get(f"{url}/gradio_api/file={copy}").status_code == 401
-        assert "my secret plans" in httpx.get(f"{url}/gradio_api/file={copy}", headers=auth).text
         assert stat.S_IMODE(copy.stat().st_mode) == 0o600
         private = next(p for p in copy.parents if p.parent == tmp)
         assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert httpx.get(f"{url}/gradio_api/file={copy}").status_code == 401
+        assert "my secret plans" in httpx.get(f"{url}/gradio_api/file={copy}", headers=auth).text
+        assert not copy.exists() and not list(private.glob("exports/export-*/*"))  # deleted once downloaded
+        assert httpx.get(f"{url}/gradio_api/file={copy}", headers=auth).status_code != 200
     finally:
         proc.terminate()
         proc.wait(30)
     assert not list(tmp.iterdir())  # the private folder went with the server
+
+
+def test_an_export_is_deleted_once_downloaded(tmp_path):
+    """Gradio's copy of an export, and the export it came from, go when the copy has been sent;
+    other files, files outside Gradio's folder and failed requests are left alone."""
+    from starlette.applications import Starlette
+    from starlette.responses import FileResponse, Response
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from app.downloads import delete_after_download
+
+    served, exports = tmp_path / "gradio", tmp_path / "exports"
+    copy, other, outside = served / "abc" / "My-chat.json", served / "abc" / "logo.png", tmp_path / "elsewhere.md"
+    original = exports / "export-1" / "My-chat.json"
+    for path in (copy, other, outside, original):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("my secret plans")
+
+    async def file(request):
+        path = Path(request.path_params["path"])
+        return FileResponse(path) if path.is_file() else Response(status_code=404)
+    app = Starlette(routes=[Route("/gradio_api/file={path:path}", file)],
+                    middleware=[delete_after_download(served, exports)])
+    client = TestClient(app)
+    assert client.get(f"/gradio_api/file={other}").status_code == 200 and other.exists()
+    assert client.get(f"/gradio_api/file={outside}").status_code == 200 and outside.exists()
+    assert client.get(f"/gradio_api/file={copy}").text == "my secret plans"
+    assert not copy.exists() and not original.exists() and not original.parent.exists()
+    assert client.get(f"/gradio_api/file={copy}").status_code == 404
