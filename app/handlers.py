@@ -10,6 +10,7 @@ import html
 import logging
 import math
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from core.errors import AerieError
 from core.service.contract import ChatServiceApi
 
 log = logging.getLogger(__name__)
+SHOW_EVERY_S = 0.1  # the page shows a streaming answer at most this often (and always its end)
 
 Chat = list[dict[str, Any]]
 
@@ -235,12 +237,17 @@ def _answer(service: ChatServiceApi, cancels: Cancels, key: str, chat: Chat, sys
         request = Request(system_prompt or "", parse_settings(*numbers), parse_stop_strings(stop_text))
         events = service.reply(service_messages(chat), request.system_prompt, request.sampling, request.stops,
                                cancel)
+        shown_at = 0.0
         for event in events:
             answer = answer.add(event)
             if event.notice and event.notice not in notices:
                 notices.add(event.notice)
                 toast("info", event.notice)
-            if not cancels.discarded(cancel):
+            # Each update re-sends and re-renders the whole chat: at a round's pace (~100 a second on
+            # a CPU) that work took most of a 2-core machine from the engine.
+            now = time.monotonic()
+            if not cancels.discarded(cancel) and (event.finish or now - shown_at >= SHOW_EVERY_S):
+                shown_at = now
                 shown = [answer.record(request)] if answer.text else []
                 yield chat + shown, format_stats(answer.stats, event.finish)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged

@@ -137,6 +137,13 @@ def toasts(monkeypatch):
     return shown
 
 
+@pytest.fixture
+def every_event(monkeypatch):
+    """The page shows every event of a streaming answer (app/handlers.py shows at most one per
+    SHOW_EVERY_S): tests that step through a stream event by event."""
+    monkeypatch.setattr("app.handlers.SHOW_EVERY_S", 0.0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

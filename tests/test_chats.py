@@ -18,6 +18,8 @@ from app.handlers import Cancels
 from app.store import ChatStore, StoreError
 from tests.fakes import SETTINGS, FakeService, session
 
+pytestmark = pytest.mark.usefixtures("every_event")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

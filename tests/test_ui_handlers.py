@@ -17,6 +17,8 @@ from core.config import ReplyStats, SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError
 from tests.fakes import FakeService, SETTINGS, session
 
+pytestmark = pytest.mark.usefixtures("every_event")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,6 +55,15 @@ def test_respond_streams_growing_text_and_stats(toasts):
     assert call.messages[-1] == {"role": "user", "content": "Hi!"} and call.system_prompt == "You are kind."
     assert call.sampling == SamplingConfig(temperature=0.0, top_p=1.0, top_k=0, seed=None, max_new_tokens=64)
     assert toasts == [("info", "Dropped the 2 oldest turns to fit the context.", {"duration": 6})]
+
+
+def test_a_fast_stream_is_shown_a_few_times_a_second_and_always_at_its_end(monkeypatch):
+    """200 events in a burst: the page gets the user's turn, the first piece and the finished
+    answer, not 200 re-renders of the whole chat."""
+    monkeypatch.setattr(handlers, "SHOW_EVERY_S", 60.0)
+    outputs = run(FakeService(words=tuple(f" w{i}" for i in range(200))), "Hi")
+    assert len(outputs) == 3
+    assert assistant_texts(outputs)[-1].split() == [f"w{i}" for i in range(200)] and "**200** tokens" in outputs[-1][1]
 
 
 def test_empty_message_changes_nothing():
