@@ -2,7 +2,7 @@
 
 An export is written to a private folder (app/chats.py), and Gradio copies it into its own cache
 (GRADIO_TEMP_DIR, private too) and serves that copy at /gradio_api/file=PATH. Once such a copy
-has been sent whole, this middleware deletes it, and the export it was copied from: a chat's text
+has been read whole into the response, this middleware deletes it, and the export it was copied from: a chat's text
 does not wait on disk for a sweep. A second click on the same link then finds nothing (404);
 exporting again makes a new file.
 """
@@ -27,18 +27,18 @@ class DeleteAfterDownload:
         if path is None:
             await self.app(scope, receive, send)
             return
-        sent = {"status": 0, "whole": False}
+        status = {"code": 0}
 
         async def watch(message: Message) -> None:
             if message["type"] == "http.response.start":
-                sent["status"] = message["status"]
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                sent["whole"] = True
+                status["code"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False) and status["code"] == 200:
+                # The file has been read whole into the responses: delete it before the last part goes
+                # out, so a client that has the download finds it gone.
+                self.forget(path)
             await send(message)
 
         await self.app(scope, receive, watch)
-        if sent["status"] == 200 and sent["whole"]:
-            self.forget(path)
 
     def export_copy(self, scope: Scope) -> Path | None:
         """The Gradio copy of an export that this request downloads, else None."""
