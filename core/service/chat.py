@@ -6,11 +6,10 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
-from core.config import ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
+from core.config import TUNED, ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import AerieError, ModelLoadError, StrategyUnavailableError
 from core.service.factory import tune
 from core.service.switching import SwitchReport, fetch, process_bytes, release
-from core.config import TUNED
 from core.service.warmup import Pending, Warmup
 from core.service.worker import Worker
 from core.spec.drafters import PlainDrafter
@@ -47,6 +46,13 @@ class ChatService:
         self._plan = ""                     # `tuning`'s plan, worked out on the worker
         self.worker.call(self._replan)
         self._warm(pending)
+
+    def _install(self, loaded) -> None:
+        """Serve a just-loaded model (a `core.service.factory.Loaded`): its engine, its tuner's plan,
+        and its warm-up if graphs are missing."""
+        self.engine, self.tuner, self.compile_note = loaded.engine, loaded.tuner, ""
+        self._replan()
+        self._warm(loaded.pending)
 
     def _warm(self, pending: Pending | None) -> None:
         """Start compiling `pending`'s graphs in a child (core/service/warmup.py), if any are missing."""
@@ -111,9 +117,8 @@ class ChatService:
             loaded = self.loader(choice)
         except Exception as e:  # noqa: BLE001 - whatever failed, the previous model must come back
             self._restore(e)
-        self.engine, self.tuner, self.choice = loaded.engine, loaded.tuner, choice
-        self._replan()
-        self._warm(loaded.pending)
+        self._install(loaded)
+        self.choice = choice
         used = process_bytes(self.engine.target.device) - (freed_to if self.engine.target.device == device else 0)
         return SwitchReport(self.label, str(self.engine.target.device), max(before - freed_to, 0), max(used, 0))
 
@@ -127,9 +132,7 @@ class ChatService:
         except Exception as again:  # noqa: BLE001 - reported with the first failure
             raise ModelLoadError(f"{message} Reloading the previous model failed too ({type(again).__name__}); "
                                  "restart Aerie.") from again
-        self.engine, self.tuner = loaded.engine, loaded.tuner
-        self._replan()
-        self._warm(loaded.pending)
+        self._install(loaded)
         kind = type(error) if isinstance(error, AerieError) else ModelLoadError
         raise kind(f"{message} The previous model is loaded again.") from error
 
@@ -194,13 +197,12 @@ class ChatService:
             return TurnLog.planned(self.engine, self.tuner, prompt_len)
         if strategy is None:
             self.warmup.adopt_ready()
-            strategy = self.warmup.staged.spec.pins.strategy or "plain"
-            reason, counted = self.warmup.status, False
+            strategy, reason = self.warmup.staged.spec.pins.strategy or "plain", self.warmup.status
         else:
-            reason, counted = f"{strategy} for this answer, as asked (not the tuner's choice, not counted as its turn)", False
+            reason = f"{strategy} for this answer, as asked (not the tuner's choice, not counted as its turn)"
         self.engine.set_drafter(self._drafter(strategy))
         stats = ReplyStats(strategy=self.engine.drafter.name, prompt_tokens=prompt_len, tuning=reason)
-        return TurnLog.start(stats, self.tuner, counted)
+        return TurnLog.start(stats, self.tuner, counted=False)
 
     def _drafter(self, strategy: str):
         drafters = dict(self.tuner.drafters if self.tuner else self.warmup.staged.drafters if self.warmup

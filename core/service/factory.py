@@ -84,13 +84,7 @@ class Staged:
     onednn: bool
     kernels: KernelChoice | None
     graphs: Path | None           # a CPU's folder of precompiled graphs; None where none are used
-
-    @property
-    def graph_jobs(self) -> list[GraphJob]:
-        if self.graphs is None:
-            return []
-        eagle = self.drafters.get("eagle")
-        return self.engine.runner.graph_jobs() + (eagle.graph_jobs() if eagle is not None else [])
+    graph_jobs: tuple[GraphJob, ...] = ()   # what the folder holds or will: the runner's buckets, the head's steps
 
     def missing(self) -> list[GraphJob]:
         """The graphs no earlier run stored yet."""
@@ -115,7 +109,8 @@ def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec], list
     process (`compile_command(spec)`, core/service/warmup.py) while the chat answers eagerly: the
     page opens without waiting for a compile. -> Loaded without a tuner, and `pending` set, then."""
     staged = stage(spec, probe, report)
-    if staged.graphs is None or not staged.missing():
+    missing = staged.missing() if staged.graphs is not None else []
+    if not missing:
         return tune(staged, probe, compile_graphs(staged, report))
     need, free = psutil.Process().memory_info().rss, psutil.virtual_memory().available
     if free < 1.5 * need:  # a child holds a second copy of the model while it compiles
@@ -124,7 +119,7 @@ def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec], list
         return tune(staged, probe, compile_graphs(staged, report))
     staged.adopt_stored()
     return Loaded(staged.engine, None, staged.placement, staged.onednn, False, 0.0, staged.kernels,
-                  Pending(staged, staged.missing(), compile_command(spec)))
+                  Pending(staged, missing, compile_command(spec)))
 
 
 def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
@@ -146,8 +141,11 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
                                                buckets=cpu_buckets(kernels)),
                           drafters["eagle"].feature_layers if "eagle" in drafters else None)
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
-    graphs = graph_folder(spec, engine, kernels) if runner.wants_graphs and target.device.type == "cpu" else None
-    return Staged(spec, engine, drafters, placement, onednn, kernels, graphs)
+    if not (runner.wants_graphs and target.device.type == "cpu"):
+        return Staged(spec, engine, drafters, placement, onednn, kernels, None)
+    # Built here, on the thread that runs torch: a job's example inputs are tensors (core/service/warmup.py).
+    jobs = runner.graph_jobs() + (drafters["eagle"].graph_jobs() if "eagle" in drafters else [])
+    return Staged(spec, engine, drafters, placement, onednn, kernels, graph_folder(spec, engine, kernels), tuple(jobs))
 
 
 def compile_graphs(staged: Staged, report=print) -> float:
