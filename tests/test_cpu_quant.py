@@ -4,6 +4,7 @@ shipped head, compiled, gives plain's greedy text except at logged near-ties."""
 
 import copy
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -123,21 +124,23 @@ def ask(url: str) -> dict:
 def test_a_first_start_opens_before_compiling_and_tunes_after(embedded_dir, cache_dir):
     """The embedded model on a cache with no graphs yet: the page is up before any graph is
     compiled, an answer meanwhile decodes plainly and says so; the tuner starts once a child stored
-    all 8 graphs (4 verify buckets, 4 head steps), and the next test loads them in seconds. Before
-    the lossless test below, which then needs no compile of its own."""
+    every graph (the verify buckets this machine's kernels call for, 4 head steps), and the next
+    test loads them in seconds. Before the lossless test below, which then needs no compile of its
+    own."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc, url = start_aerie(cache_dir, env=env)
     try:
         during = ask(url)
         assert during["strategy"] == "plain" and "compiling graph" in during["tuning"], during
-        assert "after compiling 8 of 8 graphs" in wait_for(proc, TUNED)
+        tuned = re.search(r"after compiling (\d+) of (\d+) graphs", wait_for(proc, TUNED))
+        assert tuned and tuned[1] == tuned[2] and int(tuned[1]) >= 8, tuned
         after = ask(url)
         assert "compiling" not in after["tuning"] and after["speedup"] is not None, after
     finally:
         proc.terminate()
         proc.wait(30)
     folder = next(k.parent for k in cache_dir.glob("graphs/*/key.json") if "smollm2" in k.read_text())
-    assert len([p for p in folder.iterdir() if p.name != "key.json"]) == 8
+    assert len([p for p in folder.iterdir() if p.name != "key.json"]) == int(tuned[1])
 
 
 @pytest.mark.slow
