@@ -11,7 +11,7 @@ from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.service.factory import cpu_buckets
-from core.tune.kernels import (HEAD_WEIGHTS, WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
+from core.tune.kernels import (HEAD_WEIGHTS, WIDE_ROWS, KernelChoice, TreeKernels, pick_tree_kernels, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
                           int4_layers, machine_key, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from models.cpu_quant import quantize_cpu
@@ -72,9 +72,11 @@ def test_tree_logits_on_the_twin_match_one_token_at_a_time():
 def test_choose_wide_from_measures_both_kernels_and_narrows_again():
     target = int4_target()
     before = [copy.deepcopy(layer.packed) for layer in int4_layers(target)]
-    start, ms = choose_wide_from(target, rows=(2, 4))
-    assert start in (None, 2, 4)
-    assert set(ms) == {"2", "4"} and all(v["int4"] > 0 and v["wide"] > 0 for v in ms.values())
+    trees = choose_wide_from(target, rows=(2, 4))
+    assert trees.wide_from in (None, 2, 4) and trees.largest in (2, 4)
+    ms = trees.verify_ms
+    assert set(ms) == {"1", "2", "4"} and set(ms["1"]) == {"int4"}
+    assert all(v["int4"] > 0 and v["wide"] > 0 for n, v in ms.items() if n != "1")
     assert all(layer.wide is None and layer.wide_from is None for layer in int4_layers(target))
     assert all(torch.equal(b, layer.packed) for b, layer in zip(before, int4_layers(target)))
 
@@ -102,7 +104,7 @@ def test_kernel_choice_is_measured_once_per_machine(tmp_path):
 
     def measure():
         calls.append(1)
-        return KernelChoice(16, "bf16", {"16": {"int4": 3.0, "wide": 1.0}}, {"int8": 1.0, "bf16": 0.5})
+        return KernelChoice(16, 16, "bf16", {"16": {"int4": 3.0, "wide": 1.0}}, {"int8": 1.0, "bf16": 0.5})
 
     key = {**machine_key(), "model": "m"}
     first, cached = cached_choice(tmp_path, key, measure)
@@ -111,7 +113,21 @@ def test_kernel_choice_is_measured_once_per_machine(tmp_path):
     assert "fp32 twin from 16 rows" in again.describe() and machine_key()["flags"]
 
 
-def test_big_cpu_buckets_only_with_a_kernel_that_keeps_them_cheap():
+def test_big_cpu_buckets_only_up_to_the_largest_that_can_pay():
     assert cpu_buckets(KernelChoice(None)) == CPU_BUCKETS
-    assert cpu_buckets(KernelChoice(16)) == CPU_BUCKETS + tuple(n for n in WIDE_ROWS if n > CPU_BUCKETS[-1])
+    assert cpu_buckets(KernelChoice(None, 16)) == CPU_BUCKETS + (16,)
+    assert cpu_buckets(KernelChoice(16, 64)) == CPU_BUCKETS + tuple(n for n in WIDE_ROWS if n > CPU_BUCKETS[-1])
     assert cpu_buckets(None) is None
+
+
+def test_a_tree_size_pays_only_under_three_one_token_verifies():
+    """Eager verify ms measured on a 2-core Xeon with AMX (twin = fp32 on oneDNN): the twin wins
+    only at 64 rows, where no tree can pay, so it is dropped and trees stop at 16."""
+    xeon = {1: {"int4": 19.0}, 8: {"int4": 36.3, "wide": 64.0}, 16: {"int4": 54.3, "wide": 75.4},
+            32: {"int4": 91.4, "wide": 103.4}, 64: {"int4": 166.1, "wide": 147.7}}
+    trees = pick_tree_kernels(xeon, WIDE_ROWS)
+    assert (trees.wide_from, trees.largest) == (None, 16) and trees.verify_ms["1"] == {"int4": 19.0}
+    cheap = {**xeon, 32: {"int4": 91.4, "wide": 40.0}, 64: {"int4": 166.1, "wide": 50.0}}
+    assert pick_tree_kernels(cheap, WIDE_ROWS) == TreeKernels(32, 64, pick_tree_kernels(cheap, WIDE_ROWS).verify_ms)
+    gap = {**cheap, 16: {"int4": 80.0, "wide": 75.4}}   # 16 cannot pay, so nothing past 8 does
+    assert pick_tree_kernels(gap, WIDE_ROWS).largest == 8

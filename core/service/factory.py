@@ -22,7 +22,7 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
-from core.tune.kernels import (WIDE_ROWS, KernelChoice, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
+from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
                                machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
@@ -208,12 +208,12 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -
 
     def measure() -> KernelChoice:
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
-        wide_from, verify_ms = (choose_wide_from(target) if target.quant == "int4"
-                                and twin_fits(target, psutil.virtual_memory().available) else (None, {}))
+        trees = (choose_wide_from(target) if target.quant == "int4"
+                 and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
         head, head_ms = "int8", {}
         if strategy == "eagle":
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)))
-        return KernelChoice(wide_from, head, verify_ms, head_ms)
+        return KernelChoice(trees.wide_from, trees.largest, head, trees.verify_ms, head_ms)
 
     choice, _ = cached_choice(spec.cache_dir, key, measure)
     apply_wide(target, choice.wide_from)
@@ -221,11 +221,11 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -
 
 
 def cpu_buckets(kernels: KernelChoice | None) -> tuple[int, ...] | None:
-    """A CPU's verify sizes: beyond 8 tokens only where a kernel keeps big trees cheap (the fp32
-    twin); None on other devices (the runner's own)."""
+    """A CPU's verify sizes: beyond 8 tokens only up to the largest that can pay on this machine's
+    kernels (`KernelChoice.largest`); None on other devices (the runner's own)."""
     if kernels is None:
         return None
-    return CPU_BUCKETS + (tuple(n for n in WIDE_ROWS if n > CPU_BUCKETS[-1]) if kernels.wide_from else ())
+    return CPU_BUCKETS + tuple(n for n in WIDE_ROWS if CPU_BUCKETS[-1] < n <= kernels.largest)
 
 
 def tree_budget(target: Target, pins: Pins, sizes: tuple[int, ...], reserve: int, probe: Probe | None) -> int:

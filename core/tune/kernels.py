@@ -31,22 +31,28 @@ from models.cpu_quant import Int4Linear
 from models.target import Target
 
 WIDE_ROWS = (8, 16, 32, 64)    # verify sizes where the fp32 twin may win; below them int4 always does
+# A verify of n rows pays only if a round of it accepts more tokens than it costs one-token
+# verifies. The shipped head accepts 2.68 per round on a 64-token tree, 2.2 on 16 (MT-bench), so
+# a bucket costing 3 one-token verifies or more cannot pay for any head Aerie has: it is not
+# compiled (each CPU graph costs ~25 s at a first start) and its twin is not kept.
+PAYING_TOKENS = 3.0
 HEAD_WEIGHTS = ("int8", "int4", "bf16")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
-VERSION = 2
+VERSION = 3
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     wide_from: int | None = None                     # verify rows from which linears run on the fp32 twin
+    largest: int = 8                                 # the largest verify size that can pay (PAYING_TOKENS)
     head: str = "int8"                               # the draft head's CPU weights: one of HEAD_WEIGHTS
-    verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies
+    verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies (1: int4)
     head_ms: dict = field(default_factory=dict)      # head weights -> ms of a head step at 4 rows
 
     def describe(self) -> str:
         wide = f"int4, fp32 twin from {self.wide_from} rows" if self.wide_from else "int4 at every size"
-        return f"target {wide}; head {self.head}"
+        return f"target {wide}, trees up to {self.largest}; head {self.head}"
 
 
 def machine_key() -> dict:
@@ -99,37 +105,52 @@ def int4_layers(target: Target) -> list[Int4Linear]:
     return [m for m in target.model.modules() if isinstance(m, Int4Linear)]
 
 
+@dataclass(frozen=True)
+class TreeKernels:
+    wide_from: int | None       # rows from which the fp32 twin wins at every larger timed size (None: never)
+    largest: int                # the largest timed size whose verify costs under PAYING_TOKENS one-token ones
+    verify_ms: dict             # rows -> {"int4": ms, "wide": ms}; "1" -> {"int4": ms}
+
+
 @torch.inference_mode()
-def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> tuple[int | None, dict]:
-    """Time eager verifies of `rows` tokens with every int4 layer on its kernel and on its fp32 twin,
-    interleaved (a burst of load lands on both alike), best of REPEATS; -> the smallest row count
-    from which the twin wins at every larger one (None: never), and the timings. Leaves every
-    layer on int4 and drops the twins."""
+def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> TreeKernels:
+    """Time eager verifies of 1 token (int4) and of `rows` tokens with every int4 layer on its
+    kernel and on its fp32 twin, interleaved (a burst of load lands on both alike), best of
+    REPEATS; -> where the twin wins and how big a tree can pay. Leaves every layer on int4 and
+    drops the twins."""
     layers = int4_layers(target)
     for layer in layers:
         layer.widen(from_rows=1)
-    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=rows, context=256))
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, *rows), context=256))
     ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (128 + max(rows),),
                         generator=torch.Generator().manual_seed(0)).tolist()
     runner.prefill(ids[:128], 0)
-    best = {n: {"int4": float("inf"), "wide": float("inf")} for n in rows}
+    best = {n: {"int4": float("inf")} if n == 1 else {"int4": float("inf"), "wide": float("inf")} for n in (1, *rows)}
     for rep in range(REPEATS + 1):                       # pass 0 warms up
-        for n in rows:
+        for n, kernels in best.items():
             tree = chain_tree(ids[128], ids[129: 128 + n])
-            for kernel in ("int4", "wide"):
+            for kernel in kernels:
                 for layer in layers:
                     layer.wide_from = 1 if kernel == "wide" else None
                 t0 = time.perf_counter()
                 runner.verify(tree.tokens, tree.depth, tree.ancestor_mask)
                 ms = 1000 * (time.perf_counter() - t0)
                 runner.truncate(128)
-                best[n][kernel] = min(best[n][kernel], ms) if rep else best[n][kernel]
+                kernels[kernel] = min(kernels[kernel], ms) if rep else kernels[kernel]
     for layer in layers:
         layer.narrow()
+    return pick_tree_kernels(best, rows)
+
+
+def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
+    """best: rows -> {kernel: ms} (1 -> int4 only) -> the twin's first size, the largest paying size."""
     wins = [n for n in rows if best[n]["wide"] < WIN * best[n]["int4"]]
     # The twin must win from its first size on: a graph per bucket picks one kernel per size.
     start = next((n for n in rows if all(m in wins for m in rows if m >= n)), None)
-    return start, {str(n): {k: round(v, 2) for k, v in best[n].items()} for n in rows}
+    pays = [n for n in rows if min(best[n].values()) < PAYING_TOKENS * best[1]["int4"]]
+    largest = max([rows[0], *(n for n in rows if all(m in pays for m in rows if m <= n))])
+    return TreeKernels(start if start is not None and start <= largest else None, largest,
+                       {str(n): {k: round(v, 2) for k, v in ms.items()} for n, ms in best.items()})
 
 
 def twin_fits(target: Target, free_bytes: int) -> bool:
