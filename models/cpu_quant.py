@@ -17,6 +17,11 @@ values, (q - 8) * scale + zero in fp32 as the kernel computes them (exact: a 4-b
 bf16 scale fits fp32's mantissa, so the one rounding of the sum is the kernel's fused one), on
 oneDNN's fp32 GEMM (0.52 ms at 64 rows there), its output rounded to bf16 as the kernel's is. Only
 the order of the fp32 sums differs. It costs 4 bytes per weight, so it is only built on request.
+A second kind of twin, "bf16x3", splits each of those fp32 values exactly into three bf16 terms
+(hi + mid + lo: 8 significant bits each) and runs one bf16 GEMM over the input repeated three
+times along K: a bf16 input times a bf16 term is exact in fp32, so again only the order of the
+fp32 sums differs, and the GEMM runs on AMX or AVX512-BF16 (a 576x1536 linear at 512 rows, 2-core
+Xeon with AMX: int4 5.7 ms, fp32 twin 2.9, bf16x3 1.4). 6 bytes per weight: for long prefills.
 """
 
 import torch
@@ -25,6 +30,7 @@ from torch import nn
 from models.quants import CPU_QUANTS
 
 GROUP = 32
+TWINS = ("fp32", "bf16x3")
 
 
 @torch.library.custom_op("aerie::onednn_linear", mutates_args=())
@@ -56,6 +62,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.in_features, self.out_features = k, n
         self.wide_from: int | None = None                          # rows from which `wide` computes
+        self.wide_kind = "fp32"                                      # which of TWINS `wide` holds
         self.register_buffer("wide", None)                          # the same weights, fp32, packed for oneDNN
         if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice)
             self.weight = linear.weight
@@ -71,10 +78,14 @@ class Int4Linear(nn.Module):
         scale, zero = (self.scale_zero[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))  # (N, K)
         return (codes.float().t() - 8) * scale + zero
 
-    def widen(self, from_rows: int, pack_rows: int = 32) -> None:
-        """Compute calls of `from_rows` rows or more on oneDNN's fp32 GEMM over `dequantized()`."""
-        self.wide = torch.ops.mkldnn._reorder_linear_weight(self.dequantized(), pack_rows)
-        self.wide_from = from_rows
+    def widen(self, from_rows: int, kind: str = "fp32", pack_rows: int = 32) -> None:
+        """Compute calls of `from_rows` rows or more on oneDNN over `dequantized()`: its fp32
+        GEMM, or for "bf16x3" a bf16 GEMM over the exact three-term split (`bf16_terms`)."""
+        if kind not in TWINS:
+            raise ValueError(f"a twin is one of {TWINS}, not {kind!r}")
+        weight = self.dequantized()
+        self.wide = torch.ops.mkldnn._reorder_linear_weight(weight if kind == "fp32" else bf16_terms(weight), pack_rows)
+        self.wide_from, self.wide_kind = from_rows, kind
 
     def narrow(self) -> None:
         """Back to the int4 kernel at every row count, freeing the twin."""
@@ -83,12 +94,27 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)     # (M, K)
         # A compiled graph has fixed rows, so each bucket's graph holds one of the two kernels.
-        if self.wide_from is not None and rows.shape[0] >= self.wide_from:
+        if self.wide_from is not None and rows.shape[0] >= self.wide_from and self.wide_kind == "bf16x3":
+            y = onednn_linear(torch.cat([rows] * 3, 1), self.wide, self.out_features)    # (M, 3K) @ (3K, N)
+        elif self.wide_from is not None and rows.shape[0] >= self.wide_from:
             y = onednn_linear(rows.float(), self.wide, self.out_features).to(torch.bfloat16)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def bf16_terms(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) fp32 -> (N, 3K) bf16 [hi | mid | lo] with hi + mid + lo == weight exactly: each term
+    takes the next 8 significant bits of what is left. Raises where a value needs more (none of
+    the embedded model's 134M weights does: fp32 has 24 significant bits)."""
+    terms, rest = [], weight
+    for _ in range(3):
+        terms.append(rest.bfloat16())
+        rest = rest - terms[-1].float()
+    if rest.any():
+        raise ValueError(f"{int((rest != 0).sum())} weights do not split exactly into three bf16 terms")
+    return torch.cat(terms, 1)
 
 
 class OneDnnLinear(nn.Module):

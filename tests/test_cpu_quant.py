@@ -15,7 +15,7 @@ from core.bench import load_prompts
 from core.text import render_prompt
 from core.config import TUNED, SamplingConfig
 from core.service.factory import EngineSpec, load_tuned
-from models.cpu_quant import GROUP, Int4Linear, Int8Linear, quantize_cpu, quantized
+from models.cpu_quant import GROUP, TWINS, Int4Linear, Int8Linear, bf16_terms, quantize_cpu, quantized
 from tests.conftest import ROOT_ASSETS, start_aerie, tiny_llama, wait_for
 
 HEAD = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct"
@@ -42,16 +42,18 @@ def test_int4_linear_is_the_matrix_it_encodes():
     torch.testing.assert_close(q(x), x @ w.T + dense.bias, atol=0.05, rtol=0.02)
 
 
-def test_int4_twin_holds_the_kernels_own_weight_values():
+@pytest.mark.parametrize("kind", TWINS)
+def test_int4_twin_holds_the_kernels_own_weight_values(kind):
     """The fp32 twin of an int4 layer is the matrix the kernel computes with, exactly (read through
-    the kernel, bf16-rounded, they agree bit for bit), so a wide call differs from the kernel's only
-    by the order of its fp32 sums: at most one bf16 step, on a sliver of the outputs."""
+    the kernel, bf16-rounded, they agree bit for bit), and the bf16x3 twin splits it exactly, so a
+    wide call differs from the kernel's only by the order of its fp32 sums: at most one bf16 step,
+    on a sliver of the outputs."""
     dense = torch.nn.Linear(192, 96, bias=False)
     q = Int4Linear(dense)
     assert torch.equal(q.dequantized().bfloat16().float(), dequantized_int4(q, 96, 192))
     x = torch.randn(64, 192)
     narrow = q(x)
-    q.widen(from_rows=16)
+    q.widen(from_rows=16, kind=kind)
     assert torch.equal(q(x[:8]), narrow[:8])          # below from_rows: still the int4 kernel
     wide = q(x)
     ulp = narrow.abs().clamp(min=1e-3) * 2 ** -7
@@ -59,6 +61,15 @@ def test_int4_twin_holds_the_kernels_own_weight_values():
     assert (wide != narrow).float().mean() < 0.01
     q.narrow()
     assert q.wide is None and torch.equal(q(x), narrow)
+
+
+def test_bf16_terms_split_fp32_exactly_or_refuse():
+    weight = torch.randn(64, 96) * torch.logspace(-6, 2, 96)
+    terms = bf16_terms(weight)                                        # (64, 3 * 96)
+    assert terms.dtype == torch.bfloat16 and terms.shape == (64, 288)
+    assert torch.equal(sum(t.float() for t in terms.split(96, 1)), weight)
+    with pytest.raises(ValueError, match="do not split exactly"):
+        bf16_terms(torch.tensor([[2.0 ** -120 * (1 + 2.0 ** -23)]]))  # its last bits underflow bf16
 
 
 def test_onednn_bf16_linear_rounds_only_the_weights():

@@ -11,10 +11,11 @@ from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.service.factory import cpu_buckets
-from core.tune.kernels import (HEAD_WEIGHTS, WIDE_ROWS, KernelChoice, TreeKernels, pick_tree_kernels, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
-                          int4_layers, machine_key, time_draft_steps)
+from core.tune.kernels import (HEAD_WEIGHTS, PREFILL_FROM, WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice,
+                               choose_head_weights, choose_prefill, choose_wide_from, int4_layers, machine_key,
+                               pick_tree_kernels, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
-from models.cpu_quant import quantize_cpu
+from models.cpu_quant import TWINS, quantize_cpu
 from tests.conftest import random_head, tiny_llama, tiny_target
 
 
@@ -37,7 +38,7 @@ def test_trees_on_the_fp32_twin_give_plain_decodings_text():
     """Plain decoding runs the int4 kernel (one row); trees of 2+ rows the twin: the same weights,
     so greedy text may part from plain's only where a near-tie was logged, and here it does not."""
     target = int4_target()
-    apply_wide(target, 2)
+    apply_wide(target, KernelChoice(2, 64))
     assert all(layer.wide_from == 2 for layer in int4_layers(target))
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     plain, ties = greedy_run(Engine(target), prompt)
@@ -61,7 +62,7 @@ def test_tree_logits_on_the_twin_match_one_token_at_a_time():
         rows.append(runner.verify(torch.tensor([t]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)).logits)
         runner.commit(torch.tensor([0]), [t])
     sequential = torch.cat(rows)
-    apply_wide(target, 2)
+    apply_wide(target, KernelChoice(2, 64))
     runner.truncate(16)
     chain = torch.tensor(ids[16:])
     tree = runner.verify(chain, torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril()).logits
@@ -104,7 +105,8 @@ def test_kernel_choice_is_measured_once_per_machine(tmp_path):
 
     def measure():
         calls.append(1)
-        return KernelChoice(16, 16, "bf16", {"16": {"int4": 3.0, "wide": 1.0}}, {"int8": 1.0, "bf16": 0.5})
+        return KernelChoice(16, 16, "bf16", verify_ms={"16": {"int4": 3.0, "wide": 1.0}},
+                            head_ms={"int8": 1.0, "bf16": 0.5})
 
     key = {**machine_key(), "model": "m"}
     first, cached = cached_choice(tmp_path, key, measure)
@@ -118,6 +120,26 @@ def test_big_cpu_buckets_only_up_to_the_largest_that_can_pay():
     assert cpu_buckets(KernelChoice(None, 16)) == CPU_BUCKETS + (16,)
     assert cpu_buckets(KernelChoice(16, 64)) == CPU_BUCKETS + tuple(n for n in WIDE_ROWS if n > CPU_BUCKETS[-1])
     assert cpu_buckets(None) is None
+
+
+def test_a_prefill_twin_is_timed_chosen_and_serves_only_prefills():
+    """Each twin that fits is timed on a whole prefill; the chosen one serves calls past every
+    verify size, so the verify buckets keep int4, and the prefill's logits stay the kernel's to a
+    bf16 step (the same weight values)."""
+    target = int4_target()
+    kind, ms = choose_prefill(target, free_bytes=1 << 40)
+    assert kind in ("int4", *TWINS) and set(ms) == {"int4", *TWINS} and all(v > 0 for v in ms.values())
+    assert all(layer.wide is None for layer in int4_layers(target))
+    assert choose_prefill(target, free_bytes=0)[1].keys() == {"int4"}    # no twin fits: none timed
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 4), context=600))
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    before = runner.prefill(ids, 0).logits
+    apply_wide(target, KernelChoice(None, 8, prefill="bf16x3"))
+    assert all(layer.wide_from == PREFILL_FROM > max(WIDE_ROWS) for layer in int4_layers(target))
+    after = runner.prefill(ids, 0).logits
+    torch.testing.assert_close(after, before, atol=0.05, rtol=0.02)
+    assert after.argmax() == before.argmax()
+    assert "prefill on the bf16x3 twin" in KernelChoice(None, 8, prefill="bf16x3").describe()
 
 
 def test_a_tree_size_pays_only_under_three_one_token_verifies():

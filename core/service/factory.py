@@ -22,7 +22,7 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
-from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice, choose_head_weights, choose_wide_from,
+from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice, choose_head_weights, choose_prefill, choose_wide_from,
                                machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
@@ -210,13 +210,15 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
         trees = (choose_wide_from(target) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
+        prefill, prefill_ms = (choose_prefill(target, psutil.virtual_memory().available) if target.quant == "int4"
+                               else ("int4", {}))
         head, head_ms = "int8", {}
         if strategy == "eagle":
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)))
-        return KernelChoice(trees.wide_from, trees.largest, head, trees.verify_ms, head_ms)
+        return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms)
 
     choice, _ = cached_choice(spec.cache_dir, key, measure)
-    apply_wide(target, choice.wide_from)
+    apply_wide(target, choice)
     return choice
 
 

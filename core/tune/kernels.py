@@ -7,6 +7,10 @@ Two choices, each timed the way a chat runs it, never taken from a table:
     the weights cold, as in a round: a hot-cache microbenchmark flatters the twin, whose 4 bytes
     per weight must come from memory (2-core AMD EPYC, AVX-512 and AVX512-BF16, no AMX: 0.52 vs
     0.68 ms for one 576x1536 linear at 64 rows, but a 16-token verify 82 vs 50 ms in the model);
+  - the target's linears for a prompt's prefill (chunks of up to 512 rows, eager): int4, or the
+    fp32 twin, or the exact three-term bf16 twin (`bf16x3`: the same values again, on AMX or
+    AVX512-BF16), timed as whole 512-token prefills; a twin costs RAM (4 or 6 bytes per weight),
+    so it must save 10% and fit;
   - the draft head's weights: int8 or int4 (torch's weight-only kernels) or bf16 on oneDNN (dot
     products in hardware where the CPU has AVX512-BF16 or AMX, emulated where it has not). Drafts
     only: the target verifies every token, so this changes speed and acceptance, never the output.
@@ -27,7 +31,7 @@ import torch
 
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.tree import chain_tree
-from models.cpu_quant import Int4Linear
+from models.cpu_quant import TWINS, Int4Linear
 from models.target import Target
 
 WIDE_ROWS = (8, 16, 32, 64)    # verify sizes where the fp32 twin may win; below them int4 always does
@@ -40,6 +44,9 @@ HEAD_WEIGHTS = ("int8", "int4", "bf16")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
 VERSION = 3
+PREFILL_ROWS = 512             # one prefill chunk (core/runtime/runner.py PREFILL_CHUNK)
+PREFILL_FROM = max(WIDE_ROWS) + 1   # a prefill's twin serves calls past every verify bucket
+TWIN_BYTES = {"fp32": 4, "bf16x3": 6}   # per weight
 
 
 @dataclass(frozen=True)
@@ -47,12 +54,15 @@ class KernelChoice:
     wide_from: int | None = None                     # verify rows from which linears run on the fp32 twin
     largest: int = 8                                 # the largest verify size that can pay (PAYING_TOKENS)
     head: str = "int8"                               # the draft head's CPU weights: one of HEAD_WEIGHTS
+    prefill: str = "int4"                            # a prefill chunk's linears: int4 or one of TWINS
     verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies (1: int4)
     head_ms: dict = field(default_factory=dict)      # head weights -> ms of a head step at 4 rows
+    prefill_ms: dict = field(default_factory=dict)   # kernel -> ms of a 512-token eager prefill
 
     def describe(self) -> str:
         wide = f"int4, fp32 twin from {self.wide_from} rows" if self.wide_from else "int4 at every size"
-        return f"target {wide}, trees up to {self.largest}; head {self.head}"
+        prefill = "" if self.prefill == "int4" or self.wide_from else f", prefill on the {self.prefill} twin"
+        return f"target {wide}, trees up to {self.largest}{prefill}; head {self.head}"
 
 
 def machine_key() -> dict:
@@ -153,16 +163,50 @@ def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
                        {str(n): {k: round(v, 2) for k, v in ms.items()} for n, ms in best.items()})
 
 
-def twin_fits(target: Target, free_bytes: int) -> bool:
-    """Whether every int4 layer's fp32 twin (4 bytes per weight) fits in half the free RAM."""
-    return sum(4 * m.in_features * m.out_features for m in int4_layers(target)) < free_bytes // 2
+def twin_fits(target: Target, free_bytes: int, kind: str = "fp32") -> bool:
+    """Whether every int4 layer's twin of `kind` (TWIN_BYTES per weight) fits in half the free RAM."""
+    return sum(TWIN_BYTES[kind] * m.in_features * m.out_features for m in int4_layers(target)) < free_bytes // 2
 
 
-def apply_wide(target: Target, wide_from: int | None) -> None:
-    """Give every int4 layer its fp32 twin for calls of `wide_from` rows or more (None: none)."""
-    if wide_from is not None:
-        for layer in int4_layers(target):
-            layer.widen(from_rows=wide_from)
+@torch.inference_mode()
+def choose_prefill(target: Target, free_bytes: int) -> tuple[str, dict]:
+    """Time eager 512-token prefills on int4 and on each twin that fits (built one at a time, best
+    of REPEATS after a warm-up); -> the fastest if it saves 10% over int4 (else int4), and the
+    timings. Leaves every layer on int4."""
+    layers = int4_layers(target)
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1,), context=PREFILL_ROWS + 8))
+    ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (PREFILL_ROWS,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    ms = {}
+    for kind in ("int4", *(k for k in TWINS if twin_fits(target, free_bytes, k))):
+        try:
+            for layer in layers if kind != "int4" else ():
+                layer.widen(from_rows=PREFILL_FROM, kind=kind)
+        except ValueError as e:        # weights that do not split exactly into bf16 terms
+            print(f"Aerie: no {kind} twin for prefills: {e}", flush=True)
+            for layer in layers:
+                layer.narrow()
+            continue
+        times = []
+        for _ in range(REPEATS + 1):
+            t0 = time.perf_counter()
+            runner.prefill(ids, 0)
+            times.append(1000 * (time.perf_counter() - t0))
+        ms[kind] = round(min(times[1:]), 1)
+        for layer in layers:
+            layer.narrow()
+    best = min(ms, key=ms.get)
+    return (best if ms[best] < WIN * ms["int4"] else "int4"), ms
+
+
+def apply_wide(target: Target, choice: KernelChoice) -> None:
+    """Give every int4 layer the twin `choice` calls for: the fp32 one for calls of `wide_from`
+    rows or more (prefills included), else a prefill's own for calls past every verify size."""
+    for layer in int4_layers(target):
+        if choice.wide_from is not None:
+            layer.widen(from_rows=choice.wide_from)
+        elif choice.prefill != "int4":
+            layer.widen(from_rows=PREFILL_FROM, kind=choice.prefill)
 
 
 @torch.inference_mode()
