@@ -135,7 +135,8 @@ def test_a_prefill_twin_is_timed_chosen_and_serves_only_prefills():
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
     before = runner.prefill(ids, 0).logits
     apply_wide(target, KernelChoice(None, 8, prefill="bf16x3"))
-    assert all(layer.wide_from == PREFILL_FROM > max(WIDE_ROWS) for layer in int4_layers(target))
+    assert all(layer.wide_from == PREFILL_FROM > max(WIDE_ROWS) for layer in int4_layers(target, decoder_only=True))
+    assert target.model.get_output_embeddings().wide is None          # a prefill's LM head sees one row
     after = runner.prefill(ids, 0).logits
     torch.testing.assert_close(after, before, atol=0.05, rtol=0.02)
     assert after.argmax() == before.argmax()

@@ -111,8 +111,11 @@ def cached_choice(cache_dir: Path, key: dict, measure) -> tuple[KernelChoice, bo
     return choice, False
 
 
-def int4_layers(target: Target) -> list[Int4Linear]:
-    return [m for m in target.model.modules() if isinstance(m, Int4Linear)]
+def int4_layers(target: Target, decoder_only: bool = False) -> list[Int4Linear]:
+    """The target's int4 linears; `decoder_only` leaves out the LM head, which a prefill applies
+    to one row only (so a prefill's twin skips its 28M weights in the embedded model)."""
+    model = target.model.get_decoder() if decoder_only else target.model
+    return [m for m in model.modules() if isinstance(m, Int4Linear)]
 
 
 @dataclass(frozen=True)
@@ -163,9 +166,10 @@ def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
                        {str(n): {k: round(v, 2) for k, v in ms.items()} for n, ms in best.items()})
 
 
-def twin_fits(target: Target, free_bytes: int, kind: str = "fp32") -> bool:
-    """Whether every int4 layer's twin of `kind` (TWIN_BYTES per weight) fits in half the free RAM."""
-    return sum(TWIN_BYTES[kind] * m.in_features * m.out_features for m in int4_layers(target)) < free_bytes // 2
+def twin_fits(target: Target, free_bytes: int, kind: str = "fp32", decoder_only: bool = False) -> bool:
+    """Whether the int4 layers' twins of `kind` (TWIN_BYTES per weight) fit in half the free RAM."""
+    layers = int4_layers(target, decoder_only)
+    return sum(TWIN_BYTES[kind] * m.in_features * m.out_features for m in layers) < free_bytes // 2
 
 
 @torch.inference_mode()
@@ -173,12 +177,12 @@ def choose_prefill(target: Target, free_bytes: int) -> tuple[str, dict]:
     """Time eager 512-token prefills on int4 and on each twin that fits (built one at a time, best
     of REPEATS after a warm-up); -> the fastest if it saves 10% over int4 (else int4), and the
     timings. Leaves every layer on int4."""
-    layers = int4_layers(target)
+    layers = int4_layers(target, decoder_only=True)
     runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1,), context=PREFILL_ROWS + 8))
     ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (PREFILL_ROWS,),
                         generator=torch.Generator().manual_seed(0)).tolist()
     ms = {}
-    for kind in ("int4", *(k for k in TWINS if twin_fits(target, free_bytes, k))):
+    for kind in ("int4", *(k for k in TWINS if twin_fits(target, free_bytes, k, decoder_only=True))):
         try:
             for layer in layers if kind != "int4" else ():
                 layer.widen(from_rows=PREFILL_FROM, kind=kind)
@@ -202,10 +206,11 @@ def choose_prefill(target: Target, free_bytes: int) -> tuple[str, dict]:
 def apply_wide(target: Target, choice: KernelChoice) -> None:
     """Give every int4 layer the twin `choice` calls for: the fp32 one for calls of `wide_from`
     rows or more (prefills included), else a prefill's own for calls past every verify size."""
-    for layer in int4_layers(target):
-        if choice.wide_from is not None:
+    if choice.wide_from is not None:
+        for layer in int4_layers(target):
             layer.widen(from_rows=choice.wide_from)
-        elif choice.prefill != "int4":
+    elif choice.prefill != "int4":
+        for layer in int4_layers(target, decoder_only=True):
             layer.widen(from_rows=PREFILL_FROM, kind=choice.prefill)
 
 
