@@ -115,7 +115,7 @@ def test_the_4d_mask_reaches_attention_untouched(model):
     seen, built = [], []
     AttentionInterface.register("aerie_spy", lambda m, q, k, v, mask, **kw: (seen.append(mask), tree_attention(m, q, k, v, mask, **kw))[1])
     make = runner.mask
-    runner.mask = lambda visible, length: built.append(make(visible, length)) or built[-1]
+    runner.mask = lambda visible, length, dtype=None: built.append(make(visible, length, dtype)) or built[-1]
     model.set_attn_implementation("aerie_spy")
     try:
         verify_after(runner, list(range(10)), TREE)
