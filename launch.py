@@ -272,31 +272,18 @@ def serve(args: argparse.Namespace, service, store, key: str | None, private: Pa
     demo.block_thread()
 
 
-def compile_command(spec, share: tuple[int, int] = (0, 1)) -> list[str]:
-    """`launch.py compile` for the model of an EngineSpec: a child that compiles share[0] of
-    share[1] interleaved parts of its missing graphs."""
+def compile_command(spec) -> list[str]:
+    """`launch.py compile` for the model of an EngineSpec: the child that compiles its graphs."""
     values = {"--model": spec.model, "--quant": spec.quant, "--device": spec.device, "--head": spec.head,
               "--cache-dir": spec.cache_dir, "--strategy": spec.strategy}
-    return [sys.executable, str(ROOT / "launch.py"), "compile", "--share", f"{share[0]}/{share[1]}",
+    return [sys.executable, str(ROOT / "launch.py"), "compile",
             *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
             *(["--allow-pickle"] if spec.allow_pickle else [])]
 
 
-def pop_share(argv: list[str]) -> tuple[tuple[int, int], list[str]]:
-    """`--share i/n` taken out of a compile command's arguments (default 0/1: every graph)."""
-    if "--share" not in argv:
-        return (0, 1), argv
-    at = argv.index("--share")
-    part, _, parts = (argv[at + 1] if at + 1 < len(argv) else "").partition("/")
-    if not (part.isdigit() and parts.isdigit() and int(part) < int(parts)):
-        fail("--share takes i/n with 0 <= i < n, e.g. 0/2")
-    return (int(part), int(parts)), argv[:at] + argv[at + 2:]
-
-
-def run_compile(args: argparse.Namespace, share: tuple[int, int] = (0, 1)) -> None:
-    """Precompile the graphs of the model the arguments name that are not stored yet (with `share`
-    (i, n), every n-th from the i-th: n children split them), printing a line per graph stored
-    (core/service/warmup.py reads them). Niced: the chat beside it comes first."""
+def run_compile(args: argparse.Namespace) -> None:
+    """Precompile every graph of the model the arguments name that is not stored yet, printing a
+    line per graph stored (core/service/warmup.py reads them). Niced: the chat beside it comes first."""
     from core.errors import AerieError
     from core.runtime.graphs import COMPILE_ERRORS, build
     from core.service.factory import stage
@@ -314,7 +301,7 @@ def run_compile(args: argparse.Namespace, share: tuple[int, int] = (0, 1)) -> No
         staged = stage(engine_spec(args, head=args.head or None), report=lambda line: print(line, flush=True))
         if staged.graphs is None:
             fail("this model runs without compiled graphs here (a GPU, --no-compile, or fp32 on oneDNN).")
-        build(staged.missing()[share[0]::share[1]], staged.graphs, lambda line: print(f"Aerie: {line}", flush=True),
+        build(staged.missing(), staged.graphs, lambda line: print(f"Aerie: {line}", flush=True),
               lambda name, seconds: print(f"{STORED}{name} {seconds:.1f}", flush=True), adopt=False)
     except (AerieError, *COMPILE_ERRORS) as e:
         fail(f"compiling failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
@@ -422,10 +409,9 @@ def run_command(argv: list[str]) -> None:
         run_bench(args)
         return
     if argv[:1] == ["compile"]:
-        share, rest = pop_share(argv[1:])
-        args = parse_args(rest)
+        args = parse_args(argv[1:])
         keep_compiled_code(args.cache_dir)
-        run_compile(args, share)
+        run_compile(args)
         return
     if argv[:1] == ["train"]:
         run_train(parse_train_args(argv[1:]))

@@ -136,15 +136,3 @@ def test_setup_says_each_step_and_what_to_do_when_pip_fails(tmp_path, monkeypatc
     out = capsys.readouterr().out
     assert "install the dependencies group" in out and "install the embedded group" in out
     assert re.search(r"Aerie \[1/2, \d+ s since start\]: installing the dependencies group: torch", out)
-
-
-def test_a_compile_child_takes_its_share_of_the_graphs():
-    launch = load_launcher()
-    assert launch.pop_share(["--quant", "int4"]) == ((0, 1), ["--quant", "int4"])
-    assert launch.pop_share(["--share", "1/2", "--quant", "int4"]) == ((1, 2), ["--quant", "int4"])
-    command = launch.compile_command(type("Spec", (), {"model": None, "quant": "int4", "device": None, "head": None,
-                                                       "cache_dir": None, "strategy": None, "allow_pickle": False}), (1, 2))
-    assert command[2:5] == ["compile", "--share", "1/2"]
-    for bad in (["--share", "2/2"], ["--share", "x"], ["--share"]):
-        with pytest.raises(SystemExit):
-            launch.pop_share(bad)

@@ -7,7 +7,6 @@ graphs arrive mid-chat, between rounds; a loaded graph refuses inputs it was not
 the warm-up adopts each graph a child reports, and reports the child's exit.
 """
 
-import os
 import sys
 import threading
 from types import SimpleNamespace
@@ -19,7 +18,6 @@ from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.runtime.graphs import Precompiled, build
 from core.runtime.runner import RunnerConfig, TargetRunner
-from core.service.factory import compile_children
 from core.service.warmup import STORED, Pending, Warmup
 from core.spec.drafters import PromptLookupDrafter
 from core.spec.eagle import EagleDrafter
@@ -110,28 +108,19 @@ def test_a_loaded_graph_refuses_inputs_it_was_not_compiled_for(model, folder):
         graph(ids, positions, mask)
 
 
-def test_the_warmup_adopts_what_the_children_report_and_says_how_they_ended(model, folder):
-    """Two stand-in children, one per target graph; the second fails after its graph, late: each
-    graph is adopted at the next `adopt_ready` (between rounds), and `on_exit` runs once, after
-    both, with the failure's exit code and last words."""
+def test_the_warmup_adopts_what_the_child_reports_and_says_how_it_ended(model, folder):
+    """A stand-in child that reports the two target graphs, then fails: each is adopted at the next
+    `adopt_ready` (between rounds), and the exit code and last words reach `on_exit`."""
     runner, _ = runner_and_drafter(model)
     staged = SimpleNamespace(graphs=folder)
-    first = f"print('{STORED}target-1 0.1', flush=True)"
-    second = (f"import time; time.sleep(0.5); print('{STORED}target-4 0.1', flush=True); "
-              "print('Aerie: no C++ compiler'); raise SystemExit(3)")
+    script = (f"import time; print('{STORED}target-1 0.1', flush=True); time.sleep(0.3); "
+              f"print('{STORED}target-4 0.1', flush=True); print('Aerie: no C++ compiler'); raise SystemExit(3)")
     ended = threading.Event()
     results = []
-    warmup = Warmup(Pending(staged, runner.graph_jobs(), ([sys.executable, "-c", first], [sys.executable, "-c", second])),
+    warmup = Warmup(Pending(staged, runner.graph_jobs(), [sys.executable, "-c", script]),
                     lambda w, rc: (results.append(rc), ended.set()))
     assert "compiling graph 1 of 2" in warmup.status
     assert ended.wait(30)
     assert results == [3] and "no C++ compiler" in warmup.failure
     assert warmup.adopt_ready() == 2 and runner.compiled and warmup.adopt_ready() == 0
-
-
-def test_two_children_split_the_graphs_when_the_cores_and_ram_allow():
-    gib = 1 << 30
-    assert compile_children(9, need=2 * gib, free=20 * gib) == min(2, os.cpu_count() or 1)
-    assert compile_children(9, need=2 * gib, free=4 * gib) == 1      # room for one copy of the model
-    assert compile_children(1, need=2 * gib, free=20 * gib) == 1     # one graph left: one child
 

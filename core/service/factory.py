@@ -3,7 +3,6 @@ launch.py calls this at start, for the bench, and whenever the UI switches model
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -104,12 +103,11 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     return tune(staged, probe, compile_graphs(staged, report))
 
 
-def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec, tuple[int, int]], list[str]],
-                  probe: Probe | None = None, report=print) -> Loaded:
-    """As load_tuned, except that on a CPU the graphs no earlier start stored are left to child
-    processes (`compile_command(spec, (i, n))`, core/service/warmup.py) while the chat answers
-    eagerly: the page opens without waiting for a compile. -> Loaded without a tuner, and
-    `pending` set, then."""
+def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec], list[str]], probe: Probe | None = None,
+                  report=print) -> Loaded:
+    """As load_tuned, except that on a CPU the graphs no earlier start stored are left to a child
+    process (`compile_command(spec)`, core/service/warmup.py) while the chat answers eagerly: the
+    page opens without waiting for a compile. -> Loaded without a tuner, and `pending` set, then."""
     staged = stage(spec, probe, report)
     missing = staged.missing() if staged.graphs is not None else []
     if not missing:
@@ -120,16 +118,8 @@ def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec, tuple
                f"beside this one, and {free / GIB:.1f} GiB is free.")
         return tune(staged, probe, compile_graphs(staged, report))
     staged.adopt_stored()
-    children = compile_children(len(missing), need, free)
     return Loaded(staged.engine, None, staged.placement, staged.onednn, False, 0.0, staged.kernels,
-                  Pending(staged, missing, tuple(compile_command(spec, (i, children)) for i in range(children))))
-
-
-def compile_children(graphs: int, need: int, free: int) -> int:
-    """How many children compile at once: compiling is one core's Python work (a child ran at
-    ~100% of one core on the 2-core Xeon), so one per core, at most 2 (the chat keeps its cores
-    between answers; the children are niced), each needing a copy of the model in RAM."""
-    return max(1, min(2, os.cpu_count() or 1, graphs, int(free // (1.5 * need))))
+                  Pending(staged, missing, compile_command(spec)))
 
 
 def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:

@@ -8,8 +8,6 @@ so the chat keeps most of them.
 
 The child is `launch.py compile` with the chat's model arguments: it precompiles each graph not
 stored yet into the engine's graph folder (core/runtime/graphs.py) and prints a line per graph.
-A child keeps one core busy (tracing and lowering are Python), so on two cores two children split
-the graphs (`--share 0/2`, `1/2`: every other one each; the first holds the target's 1-token graph).
 The service loads each between two rounds (`adopt_ready`), never mid-round; plain decoding needs
 only the target's 1-token graph, which comes first. When the child exits, the service measures
 the latency profile on the compiled engine (or loads it) and only then starts the tuner, so it
@@ -37,39 +35,30 @@ class Pending:
     halved the worker's speed for the life of the process (plain decoding 30-37 vs 63-81 tok/s)."""
     staged: object
     jobs: list
-    commands: tuple[list[str], ...]     # one per child
+    command: list[str]
 
 
 class Warmup:
     def __init__(self, pending: Pending, on_exit: Callable[["Warmup", int], None]):
-        """Start the children; `on_exit(self, returncode)` is called from a reader thread once all
-        have ended, with the first nonzero exit code (0 when every one succeeded)."""
+        """Start the child; `on_exit(self, returncode)` is called from a reader thread when it ends."""
         self.staged = pending.staged
         self.jobs = {job.name: job for job in pending.jobs}
         self.total, self.adopted = len(self.jobs), 0
-        self.ready: queue.SimpleQueue = queue.SimpleQueue()   # names stored by a child, not adopted yet
-        self.tail: deque = deque(maxlen=3)                     # their last other lines, for an error
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()   # names stored by the child, not adopted yet
+        self.tail: deque = deque(maxlen=3)                     # its last other lines, for an error
         self.started = time.monotonic()
-        self.codes: list[int] = []                             # exit codes of the children ended so far
-        self.lock = threading.Lock()
-        self.procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-                      for command in pending.commands]
-        for proc in self.procs:
-            threading.Thread(target=self._read, args=(proc, on_exit), name="aerie-compile-reader", daemon=True).start()
+        self.proc = subprocess.Popen(pending.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     bufsize=1)
+        threading.Thread(target=self._read, args=(on_exit,), name="aerie-compile-reader", daemon=True).start()
 
-    def _read(self, proc, on_exit) -> None:
-        for line in proc.stdout:
+    def _read(self, on_exit) -> None:
+        for line in self.proc.stdout:
             if line.startswith(STORED):
                 self.ready.put(line[len(STORED):].split()[0])
             elif line.strip():
                 self.tail.append(line.strip())
                 print(line.rstrip(), flush=True)  # the child's progress, in the app's terminal
-        code = proc.wait()
-        with self.lock:
-            self.codes.append(code)
-            last = len(self.codes) == len(self.procs)
-        if last:
-            on_exit(self, next((c for c in self.codes if c), 0))
+        on_exit(self, self.proc.wait())
 
     def adopt_ready(self) -> int:
         """On the torch worker, between rounds: load and use each graph stored since; -> how many."""
@@ -98,9 +87,7 @@ class Warmup:
                 "plainly on the eager path, slower, and the tuner waits for the compiled speed")
 
     def stop(self) -> None:
-        """End the children (a model switch, the app's exit) and wait for them."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            proc.wait(timeout=30)
+        """End the child (a model switch, the app's exit) and wait for it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
