@@ -94,10 +94,10 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)     # (M, K)
         # A compiled graph has fixed rows, so each bucket's graph holds one of the two kernels.
-        if self.wide_from is not None and rows.shape[0] >= self.wide_from and self.wide_kind == "bf16x3":
-            y = onednn_linear(torch.cat([rows] * 3, 1), self.wide, self.out_features)    # (M, 3K) @ (3K, N)
-        elif self.wide_from is not None and rows.shape[0] >= self.wide_from:
-            y = onednn_linear(rows.float(), self.wide, self.out_features).to(torch.bfloat16)
+        if self.wide_from is not None and rows.shape[0] >= self.wide_from:
+            y = (onednn_linear(torch.cat([rows] * 3, 1), self.wide, self.out_features)     # (M, 3K) @ (3K, N)
+                 if self.wide_kind == "bf16x3"
+                 else onednn_linear(rows.float(), self.wide, self.out_features).to(torch.bfloat16))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
