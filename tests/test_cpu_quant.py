@@ -135,7 +135,7 @@ def ask(url: str) -> dict:
 def test_a_first_start_opens_before_compiling_and_tunes_after(embedded_dir, cache_dir):
     """The embedded model on a cache with no graphs yet: the page is up before any graph is
     compiled, an answer meanwhile decodes plainly and says so; the tuner starts once a child stored
-    every graph (the verify buckets this machine's kernels call for, 4 head steps), and the next
+    every graph (the target's 1-token verify and its larger buckets, the same for the head), and the next
     test loads them in seconds. Before the lossless test below, which then needs no compile of its
     own."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -144,7 +144,7 @@ def test_a_first_start_opens_before_compiling_and_tunes_after(embedded_dir, cach
         during = ask(url)
         assert during["strategy"] == "plain" and "compiling graph" in during["tuning"], during
         tuned = re.search(r"after compiling (\d+) of (\d+) graphs", wait_for(proc, TUNED))
-        assert tuned and tuned[1] == tuned[2] and int(tuned[1]) >= 8, tuned
+        assert tuned and tuned[1] == tuned[2] and int(tuned[1]) >= 4, tuned
         after = ask(url)
         assert "compiling" not in after["tuning"] and after["speedup"] is not None, after
     finally:

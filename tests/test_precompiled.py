@@ -16,14 +16,14 @@ import torch
 
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
-from core.runtime.graphs import Precompiled, build
+from core.runtime.graphs import Precompiled, build, row_groups
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.service.warmup import STORED, Pending, Warmup
 from core.spec.drafters import PromptLookupDrafter
 from core.spec.eagle import EagleDrafter
 from tests.conftest import random_head, tiny_llama, tiny_target
 
-BUCKETS = (1, 4)
+BUCKETS = (1, 2, 4)   # graphs: 1 alone, 2 and 4 in one with T symbolic
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +33,13 @@ def model():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, model):
-    """Every graph of a 2-bucket runner and of an EAGLE head's step, precompiled once."""
+    """Every graph of a 3-bucket runner and of an EAGLE head's step (buckets 1, 2, 4, 8), precompiled once."""
     folder = tmp_path_factory.mktemp("graphs")
     runner, drafter = runner_and_drafter(model)
     built = []
     build(runner.graph_jobs() + drafter.graph_jobs(), folder, stored=lambda name, s: built.append(name), adopt=False)
-    assert sorted(built) == sorted(p.name for p in folder.iterdir()) and len(built) == 2 + 4
+    assert sorted(built) == sorted(p.name for p in folder.iterdir())
+    assert sorted(built) == ["head-1x64", "head-2-8x64", "target-1", "target-2-4"], built
     assert not runner.compiled and drafter.compiled_sizes == ()   # adopt=False: stored only
     return folder
 
@@ -62,7 +63,7 @@ def test_a_stored_graph_loads_and_runs_on_its_new_owner(model, folder):
     assert again == [] and runner.compiled and drafter.compiled_sizes == drafter.step.buckets
     eager = TargetRunner(tiny_target(model), RunnerConfig(compile=False, buckets=BUCKETS), drafter.feature_layers)
     prompt = list(range(30, 75))
-    for n in (1, 3, 4, 6):  # exact buckets, padded ones, and chunks past the largest
+    for n in (1, 2, 3, 4, 6):  # exact buckets, padded ones, and chunks past the largest
         outs = []
         for r in (eager, runner):
             r.reset()
@@ -95,13 +96,17 @@ def test_graphs_adopted_mid_chat_keep_greedy_output(model, folder):
 
 def test_a_loaded_graph_refuses_inputs_it_was_not_compiled_for(model, folder):
     runner, _ = runner_and_drafter(model)
-    job = next(j for j in runner.graph_jobs() if j.name == "target-4")
+    job = next(j for j in runner.graph_jobs() if j.name == "target-2-4")
     graph = Precompiled(folder / job.name, job)
-    ids, positions, mask = job.args
-    wider = runner.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 70)
+    ids, positions, mask = job.args                                 # 2 rows
+    wider = runner.mask(torch.ones(2, 2, dtype=torch.bool).tril(), 70)
+    four = runner.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 0)
+    three = runner.mask(torch.ones(3, 3, dtype=torch.bool).tril(), 0)
     with torch.inference_mode():
         graph(ids, positions, wider)                       # a longer chat: the same graph
-        for bad in ((ids[:, :2], positions[:, :2], mask[:, :, :2]), (ids.int(), positions, mask), (ids, positions, mask.half())):
+        graph(torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None], four)  # its other bucket
+        for bad in ((torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], three), (ids.int(), positions, mask),
+                    (ids, positions, mask.half())):
             with pytest.raises(ValueError, match="precompiled for"):
                 graph(*bad)
     with pytest.raises(ValueError, match="precompiled for"):  # compiled with autograd off
@@ -114,7 +119,7 @@ def test_the_warmup_adopts_what_the_child_reports_and_says_how_it_ended(model, f
     runner, _ = runner_and_drafter(model)
     staged = SimpleNamespace(graphs=folder)
     script = (f"import time; print('{STORED}target-1 0.1', flush=True); time.sleep(0.3); "
-              f"print('{STORED}target-4 0.1', flush=True); print('Aerie: no C++ compiler'); raise SystemExit(3)")
+              f"print('{STORED}target-2-4 0.1', flush=True); print('Aerie: no C++ compiler'); raise SystemExit(3)")
     ended = threading.Event()
     results = []
     warmup = Warmup(Pending(staged, runner.graph_jobs(), [sys.executable, "-c", script]),
@@ -124,3 +129,12 @@ def test_the_warmup_adopts_what_the_child_reports_and_says_how_it_ended(model, f
     assert results == [3] and "no C++ compiler" in warmup.failure
     assert warmup.adopt_ready() == 2 and runner.compiled and warmup.adopt_ready() == 0
 
+
+
+def test_buckets_share_graphs_except_one_and_across_kernel_edges():
+    """A size of 1 is torch's special case and plain decoding's: alone. The rest share one graph
+    unless a layer switches kernels between them (an edge at 16: 8 and 16 must not share)."""
+    assert row_groups((1, 2, 4, 8)) == [(1,), (2, 4, 8)]
+    assert row_groups((1, 2, 4, 8, 16, 32), edges=(16,)) == [(1,), (2, 4, 8), (16, 32)]
+    assert row_groups((1, 2, 4, 8), edges=(65,)) == [(1,), (2, 4, 8)]
+    assert row_groups((4,)) == [(4,)] and row_groups((1,)) == [(1,)]

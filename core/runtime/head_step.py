@@ -17,7 +17,7 @@ unpadded.
 
 import torch
 
-from core.runtime.graphs import Graph, GraphJob, compiled_all
+from core.runtime.graphs import Graph, GraphJob, compiled_all, graph_name, row_groups, rows_label
 from core.runtime.kv import additive_mask, attended_rows, cache_bytes, set_length, static_cache
 
 STEP_CPU_BUCKETS = (1, 2, 4, 8)      # rows per step: a catch-up (accepted + 1) or a frontier (top_k)
@@ -86,22 +86,26 @@ class HeadStep:
     def has_graph(self, rows: int, width: int) -> bool:
         return (rows, width) in self._graphs
 
-    def adopt(self, key: tuple[int, int], graph) -> None:
-        """Use `graph` for (rows, feature width) from the next feed on (a drafter adopts between rounds)."""
-        self._graphs[key] = graph
+    def adopt(self, buckets: tuple[int, ...], width: int, graph) -> None:
+        """Use `graph` for these buckets' rows and features of `width` from the next feed on (a
+        drafter adopts between rounds)."""
+        for rows in buckets:
+            self._graphs[(rows, width)] = graph
 
     def graph_jobs(self, widths: tuple[int, ...]) -> list[GraphJob]:
-        """What a CPU precompiles: a step of each bucket's rows for features of each width."""
+        """What a CPU precompiles: a step for features of each width, one graph per group of
+        buckets (core/runtime/graphs.py `row_groups`), on example inputs of the group's smallest."""
         jobs = []
         for width in widths:
-            for rows in self.buckets:
-                causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
-                args = (torch.zeros(1, rows, width, dtype=self.dtype, device=self.device),
-                        torch.zeros(1, rows, dtype=torch.long, device=self.device),
-                        torch.arange(rows, device=self.device)[None], additive_mask(causal, 0, self.dtype,
-                                                                                    width=attended_rows(rows, self.capacity, self.device)))
-                jobs.append(GraphJob(f"head-{rows}x{width}", f"the draft head's {rows}-row step", self.forward, args,
-                                     lambda g, k=(rows, width): self.adopt(k, g)))
+            for rows in row_groups(self.buckets):
+                size = rows[0]
+                causal = torch.ones(size, size, dtype=torch.bool, device=self.device).tril()
+                args = (torch.zeros(1, size, width, dtype=self.dtype, device=self.device),
+                        torch.zeros(1, size, dtype=torch.long, device=self.device),
+                        torch.arange(size, device=self.device)[None], additive_mask(causal, 0, self.dtype,
+                                                                                    width=attended_rows(size, self.capacity, self.device)))
+                jobs.append(GraphJob(graph_name("head", rows, f"x{width}"), f"the draft head's {rows_label(rows)}row step",
+                                     self.forward, args, lambda g, rows=rows, w=width: self.adopt(rows, w, g), rows))
         return jobs
 
     @torch.inference_mode()  # as drafting runs: a graph compiled with autograd on would not be reused
@@ -112,7 +116,7 @@ class HeadStep:
         def every_bucket():
             for width in widths:
                 for rows in self.buckets:
-                    self.adopt((rows, width), Graph(self.forward, self.device))
+                    self.adopt((rows,), width, Graph(self.forward, self.device))
                     causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
                     self.feed(torch.zeros(rows, width, dtype=self.dtype, device=self.device),
                               torch.zeros(rows, dtype=torch.long, device=self.device),

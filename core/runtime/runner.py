@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from core.config import PLANNED_CONTEXT
-from core.runtime.graphs import Graph, GraphJob, compiled_all
+from core.runtime.graphs import Graph, GraphJob, compiled_all, graph_name, row_groups, rows_label
 from core.runtime.kv import additive_mask, attended_rows, cache_bytes, keep_rows, set_length, static_cache
 from models.quants import CPU_QUANTS
 from models.target import Target
@@ -201,8 +201,10 @@ class TargetRunner:
         is adopted only between rounds (`adopt`), so a round never mixes the two."""
         return self._graphs.get(size, self.forward)
 
-    def adopt(self, size: int, graph) -> None:
-        self._graphs[size] = graph
+    def adopt(self, sizes: tuple[int, ...], graph) -> None:
+        """Run the buckets `sizes` on `graph` from the next verify on."""
+        for size in sizes:
+            self._graphs[size] = graph
 
     @property
     def compiled(self) -> bool:
@@ -214,16 +216,18 @@ class TargetRunner:
         """The buckets that run as graphs (all of them once compiled, some after a failed compile)."""
         return tuple(size for size in self.buckets if size in self._graphs)
 
-    def graph_jobs(self) -> list[GraphJob]:
-        """What a CPU precompiles (core/runtime/graphs.py): each bucket's forward on example inputs
-        of its shapes; the mask's width stays symbolic. Nothing is fed: tracing runs nothing."""
+    def graph_jobs(self, edges: tuple[int, ...] = ()) -> list[GraphJob]:
+        """What a CPU precompiles (core/runtime/graphs.py): the forward of each group of buckets
+        (`row_groups`: no group spans a row count in `edges`, where the linears switch kernels) on
+        example inputs of its smallest; T and the mask's width stay symbolic. Tracing runs nothing."""
         jobs = []
-        for size in self.buckets:
+        for rows in row_groups(self.buckets, edges):
+            size = rows[0]
             visible = torch.ones(size, size, dtype=torch.bool, device=self.device).tril()
             args = (torch.zeros(1, size, dtype=torch.long, device=self.device),
                     torch.arange(size, device=self.device)[None], self.mask(visible, 0))
-            jobs.append(GraphJob(f"target-{size}", f"the target's {size}-token verify", self.forward, args,
-                                 lambda g, s=size: self.adopt(s, g)))
+            jobs.append(GraphJob(graph_name("target", rows), f"the target's {rows_label(rows)}token verify", self.forward,
+                                 args, lambda g, rows=rows: self.adopt(rows, g), rows))
         return jobs
 
     def warm_up(self, report=None) -> float:
@@ -239,7 +243,7 @@ class TargetRunner:
             for i, size in enumerate(self.buckets):
                 if report is not None:
                     report(f"Compiling the target's forward for {size}-token trees ({i + 1}/{len(self.buckets)})")
-                self.adopt(size, Graph(self.forward, self.device))
+                self.adopt((size,), Graph(self.forward, self.device))
                 self.reset()
                 self.verify(torch.zeros(size, dtype=torch.long), torch.arange(size),
                             torch.ones(size, size, dtype=torch.bool).tril())

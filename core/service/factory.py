@@ -22,8 +22,8 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
-from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice, choose_head_weights, choose_prefill, choose_wide_from,
-                               machine_key, time_draft_steps, twin_fits)
+from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice, choose_head_weights,
+                               choose_prefill, choose_wide_from, kernel_edges, machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
 from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
@@ -34,7 +34,7 @@ from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
 STRATEGIES = ("auto", "eagle", "prompt_lookup", "plain")
-GRAPHS_VERSION = 1
+GRAPHS_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,8 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
     if not (runner.wants_graphs and target.device.type == "cpu"):
         return Staged(spec, engine, drafters, placement, onednn, kernels, None)
     # Built here, on the thread that runs torch: a job's example inputs are tensors (core/service/warmup.py).
-    jobs = runner.graph_jobs() + (drafters["eagle"].graph_jobs() if "eagle" in drafters else [])
+    jobs = runner.graph_jobs(kernel_edges(kernels) if kernels else ())
+    jobs += drafters["eagle"].graph_jobs() if "eagle" in drafters else []
     return Staged(spec, engine, drafters, placement, onednn, kernels, graph_folder(spec, engine, kernels), tuple(jobs))
 
 
@@ -192,7 +193,8 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
     runner = engine.runner
     key = {"version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
            "quant": engine.target.quant, "dtype": str(engine.target.dtype),
-           "kernels": kernels.describe() if kernels else None, "head": head_identity(spec.head) if runner.feature_layers else None,
+           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head} if kernels else None,
+           "head": head_identity(spec.head) if runner.feature_layers else None,
            "buckets": list(runner.buckets), "capacity": runner.capacity, "features": runner.feature_layers}
     folder = spec.cache_dir / "graphs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)

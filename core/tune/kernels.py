@@ -38,7 +38,7 @@ WIDE_ROWS = (8, 16, 32, 64)    # verify sizes where the fp32 twin may win; below
 # A verify of n rows pays only if a round of it accepts more tokens than it costs one-token
 # verifies. The shipped head accepts 2.68 per round on a 64-token tree, 2.2 on 16 (MT-bench), so
 # a bucket costing 3 one-token verifies or more cannot pay for any head Aerie has: it is not
-# compiled (each CPU graph costs ~25 s at a first start) and its twin is not kept.
+# a bucket (no graph serves it; a tree that large goes in chunks) and its twin is not kept.
 PAYING_TOKENS = 3.0
 HEAD_WEIGHTS = ("int8", "int4", "bf16")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
@@ -158,7 +158,7 @@ def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> TreeK
 def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
     """best: rows -> {kernel: ms} (1 -> int4 only) -> the twin's first size, the largest paying size."""
     wins = [n for n in rows if best[n]["wide"] < WIN * best[n]["int4"]]
-    # The twin must win from its first size on: a graph per bucket picks one kernel per size.
+    # The twin must win from its first size on: a layer switches kernels at one row count.
     start = next((n for n in rows if all(m in wins for m in rows if m >= n)), None)
     pays = [n for n in rows if min(best[n].values()) < PAYING_TOKENS * best[1]["int4"]]
     largest = max([rows[0], *(n for n in rows if all(m in pays for m in rows if m <= n))])
@@ -201,6 +201,14 @@ def choose_prefill(target: Target, free_bytes: int) -> tuple[str, dict]:
             layer.narrow()
     best = min(ms, key=ms.get)
     return (best if ms[best] < WIN * ms["int4"] else "int4"), ms
+
+
+def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
+    """The row counts from which `apply_wide` moves the target's linears to a twin: no graph may
+    span one (core/runtime/graphs.py `row_groups`)."""
+    if choice.wide_from is not None:
+        return (choice.wide_from,)
+    return (PREFILL_FROM,) if choice.prefill != "int4" else ()
 
 
 def apply_wide(target: Target, choice: KernelChoice) -> None:
