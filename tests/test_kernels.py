@@ -12,8 +12,8 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.service.factory import cpu_buckets
 from core.tune.kernels import (HEAD_WEIGHTS, PREFILL_FROM, WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice,
-                               choose_head_weights, choose_prefill, choose_wide_from, int4_layers, machine_key,
-                               pick_tree_kernels, time_draft_steps)
+                               choose_head_weights, choose_prefill, choose_wide_from, int4_layers, kernel_edges,
+                               machine_key, pick_tree_kernels, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from models.cpu_quant import TWINS, quantize_cpu
 from tests.conftest import random_head, tiny_llama, tiny_target
@@ -134,6 +134,8 @@ def test_a_prefill_twin_is_timed_chosen_and_serves_only_prefills():
     runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 4), context=600))
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
     before = runner.prefill(ids, 0).logits
+    apply_wide(target, KernelChoice(None, 8, prefill="bf16x3"), prefills=False)   # the compile child's
+    assert all(layer.wide is None for layer in int4_layers(target))
     apply_wide(target, KernelChoice(None, 8, prefill="bf16x3"))
     assert all(layer.wide_from == PREFILL_FROM > max(WIDE_ROWS) for layer in int4_layers(target, decoder_only=True))
     assert target.model.get_output_embeddings().wide is None          # a prefill's LM head sees one row
@@ -141,6 +143,9 @@ def test_a_prefill_twin_is_timed_chosen_and_serves_only_prefills():
     torch.testing.assert_close(after, before, atol=0.05, rtol=0.02)
     assert after.argmax() == before.argmax()
     assert "prefill on the bf16x3 twin" in KernelChoice(None, 8, prefill="bf16x3").describe()
+    # No graph spans the row count where a layer switches kernels (core/runtime/graphs.py row_groups).
+    assert kernel_edges(KernelChoice(None, 8, prefill="bf16x3")) == (PREFILL_FROM,)
+    assert kernel_edges(KernelChoice(16, 64, prefill="bf16x3")) == (16,) and kernel_edges(KernelChoice(None)) == ()
 
 
 def test_a_tree_size_pays_only_under_three_one_token_verifies():

@@ -122,11 +122,13 @@ def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec], list
                   Pending(staged, missing, compile_command(spec)))
 
 
-def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
-    """The target, this CPU's kernel choice, the drafters and the engine, all eager."""
+def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: bool = True) -> Staged:
+    """The target, this CPU's kernel choice, the drafters and the engine, all eager. Without
+    `prefills` (the compile child: graphs never prefill) no prefill twin is built (640 MB and
+    3 s for the embedded model on the bf16x3 twin)."""
     target, onednn, placement = load_fast_target(spec, probe)
     strategy = resolved_strategy(spec)
-    kernels = cpu_kernels(target, spec, strategy, report) if target.quant in CPU_QUANTS else None
+    kernels = cpu_kernels(target, spec, strategy, report, prefills) if target.quant in CPU_QUANTS else None
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter()}
     if strategy == "eagle":
         drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), kernels.head if kernels else "int8")
@@ -202,9 +204,9 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
     return folder
 
 
-def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -> KernelChoice:
+def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, prefills: bool = True) -> KernelChoice:
     """This machine's kernel choice for `target` (core/tune/kernels.py), measured once and cached, and
-    the target's int4 layers set up for it."""
+    the target's int4 layers set up for it (for verifies only, without `prefills`)."""
     key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
            "head": head_identity(spec.head) if strategy == "eagle" else None}
 
@@ -220,7 +222,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print) -
         return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms)
 
     choice, _ = cached_choice(spec.cache_dir, key, measure)
-    apply_wide(target, choice)
+    apply_wide(target, choice, prefills)
     return choice
 
 

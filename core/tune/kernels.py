@@ -211,13 +211,14 @@ def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
     return (PREFILL_FROM,) if choice.prefill != "int4" else ()
 
 
-def apply_wide(target: Target, choice: KernelChoice) -> None:
+def apply_wide(target: Target, choice: KernelChoice, prefills: bool = True) -> None:
     """Give every int4 layer the twin `choice` calls for: the fp32 one for calls of `wide_from`
-    rows or more (prefills included), else a prefill's own for calls past every verify size."""
+    rows or more (prefills included), else, with `prefills`, a prefill's own for calls past every
+    verify size."""
     if choice.wide_from is not None:
         for layer in int4_layers(target):
             layer.widen(from_rows=choice.wide_from)
-    elif choice.prefill != "int4":
+    elif choice.prefill != "int4" and prefills:
         for layer in int4_layers(target, decoder_only=True):
             layer.widen(from_rows=PREFILL_FROM, kind=choice.prefill)
 
