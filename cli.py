@@ -138,8 +138,10 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="rows decoding together (default: what fits a quarter of free RAM, at most "
                    "64 on CPU; half of free VRAM, at most 256, on CUDA)")
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's, one per core); 1 while another job holds a core")
-    p.add_argument("--linear", choices=["auto", "onednn", "default"], default="auto",
-                   help="CPU matmuls: oneDNN, torch's default (MKL), or auto = whichever a quick timing finds faster")
+    p.add_argument("--linear", choices=["auto", "onednn", "bf16x3", "bf16", "default"], default="auto",
+                   help="CPU matmuls: oneDNN fp32, bf16x3 (oneDNN bf16 on the weights' exact three-term split, "
+                   "inputs rounded to bf16 as the served int4 kernel does; AMX or AVX512-BF16), torch's default "
+                   "(MKL), or auto = whichever a quick timing finds fastest")
     p.add_argument("--features", type=Path, metavar="DIR", help="also keep each answer's target features and teacher "
                    "logits here, for `launch.py train --features DIR` (saves train its own pass over the answers)")
     p.add_argument("--kinds", choices=["eagle1", "eagle3"], nargs="+", default=["eagle1"],

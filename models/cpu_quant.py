@@ -83,8 +83,7 @@ class Int4Linear(nn.Module):
         GEMM, or for "bf16x3" a bf16 GEMM over the exact three-term split (`bf16_terms`)."""
         if kind not in TWINS:
             raise ValueError(f"a twin is one of {TWINS}, not {kind!r}")
-        weight = self.dequantized()
-        self.wide = torch.ops.mkldnn._reorder_linear_weight(weight if kind == "fp32" else bf16_terms(weight), pack_rows)
+        self.wide = onednn_pack(self.dequantized(), kind, pack_rows)
         self.wide_from, self.wide_kind = from_rows, kind
 
     def narrow(self) -> None:
@@ -93,11 +92,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)     # (M, K)
-        # A compiled graph has fixed rows, so each bucket's graph holds one of the two kernels.
+        # A compiled graph's rows are fixed or within a range no kernel switch splits: one kernel per graph.
         if self.wide_from is not None and rows.shape[0] >= self.wide_from:
-            y = (onednn_linear(torch.cat([rows] * 3, 1), self.wide, self.out_features)     # (M, 3K) @ (3K, N)
-                 if self.wide_kind == "bf16x3"
-                 else onednn_linear(rows.float(), self.wide, self.out_features).to(torch.bfloat16))
+            y = onednn_matmul(rows, self.wide, self.out_features, self.wide_kind).to(torch.bfloat16)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -117,25 +114,49 @@ def bf16_terms(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(terms, 1)
 
 
+ONEDNN_KINDS = ("fp32", "bf16", *TWINS[1:])   # how a OneDnnLinear holds its weight
+
+
+def onednn_pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """(N, K) fp32 -> oneDNN's prepacked weight of `kind`: fp32, bf16 (rounded), or bf16x3 (the
+    exact three-term split, `bf16_terms`), packed for calls of about `rows` rows."""
+    if kind not in ONEDNN_KINDS:
+        raise ValueError(f"a oneDNN weight is one of {ONEDNN_KINDS}, not {kind!r}")
+    held = {"fp32": weight.float(), "bf16": weight.to(torch.bfloat16)}.get(kind)
+    return torch.ops.mkldnn._reorder_linear_weight(held if held is not None else bf16_terms(weight.float()), rows)
+
+
+def onednn_matmul(rows: torch.Tensor, packed: torch.Tensor, out_features: int, kind: str) -> torch.Tensor:
+    """rows (M, K) @ W^T through `onednn_pack(W, kind)`: fp32 in fp32; bf16 on bf16 inputs; bf16x3
+    on bf16 inputs repeated three times along K ((M, 3K) @ (3K, N): each bf16 product is exact in
+    fp32, so it is W's own values on bf16-rounded inputs, up to the order of the sums)."""
+    if kind == "bf16x3":
+        return onednn_linear(torch.cat([rows.to(torch.bfloat16)] * 3, 1), packed, out_features)
+    return onednn_linear(rows.to(torch.float32 if kind == "fp32" else torch.bfloat16), packed, out_features)
+
+
 class OneDnnLinear(nn.Module):
-    """nn.Linear through oneDNN with its weight prepacked once, in `dtype` (the op inductor itself
+    """nn.Linear through oneDNN with its weight prepacked once, as `kind` (the op inductor itself
     uses on CPU). torch's default fp32 GEMM (MKL) runs AVX2 code on AMD CPUs; oneDNN uses AVX-512
     where there is one (2.5x on SmolLM2's MLP at 64 rows), and bf16 dot products where the CPU has
     them (AVX512-BF16, AMX). fp32 keeps the maths (only the summation order differs); bf16 rounds
-    the weights, for drafting only. Through `onednn_linear`, it compiles too."""
+    the weights, for drafting only; bf16x3 keeps the weights exactly and rounds the inputs to bf16
+    (as the int4 kernel does), for batched generation. Through `onednn_linear`, it compiles too."""
 
-    def __init__(self, linear: nn.Linear, rows: int, keep_weight: bool = False, dtype: torch.dtype = torch.float32):
+    def __init__(self, linear: nn.Linear, rows: int, keep_weight: bool = False, kind: str = "fp32"):
         super().__init__()
         weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows))
+        self.register_buffer("packed", onednn_pack(weight, kind, rows))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.out_features, self.in_features = weight.shape
+        self.kind = kind
         if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice); costs a copy
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(self.packed.dtype)                       # (M, K)
-        y = onednn_linear(rows, self.packed, self.out_features).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1])                                               # (M, K)
+        y = onednn_matmul(rows, self.packed, self.out_features, self.kind)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -164,7 +185,7 @@ def quantized(linear: nn.Linear, quant: str, keep_weight: bool = False) -> nn.Mo
     """`linear` as an Int4Linear or Int8Linear (`quant` one of CPU_QUANTS), or for "bf16" a
     OneDnnLinear holding bf16 weights."""
     if quant == "bf16":
-        return OneDnnLinear(linear, rows=4, keep_weight=keep_weight, dtype=torch.bfloat16)
+        return OneDnnLinear(linear, rows=4, keep_weight=keep_weight, kind="bf16")
     if quant not in CPU_QUANTS:
         raise ValueError(f"CPU weights are one of {CPU_QUANTS} or bf16, not {quant!r}")
     return (Int4Linear if quant == "int4" else Int8Linear)(linear, keep_weight=keep_weight)

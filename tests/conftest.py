@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Llama targets built in the test, and the real embedded model."""
 
+import os
 import queue
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core.config import TUNED
 from models.embedded import embedded_model_dir
 from models.head_config import head_config_for_target
 from models.heads import build_head
@@ -127,6 +129,32 @@ def wait_for(proc: subprocess.Popen, prefix: str, timeout_s: float = 600) -> str
             return line
     proc.kill()
     raise AssertionError(f"Aerie never printed {prefix!r}:\n" + "".join(seen[-40:]))
+
+
+def pytest_collection_modifyitems(items):
+    """The first start's graphs compile in a niced child for minutes (one core) while its test
+    would only wait: its opening test runs first and the tests that need its graphs last, so the
+    rest of the suite runs meanwhile."""
+    def end(item) -> str | None:
+        marker = item.get_closest_marker("first_start")
+        return marker.args[0] if marker else None
+    items[:] = ([i for i in items if end(i) == "open"] + [i for i in items if end(i) not in ("open", "close")]
+                + [i for i in items if end(i) == "close"])
+
+
+@pytest.fixture(scope="session")
+def first_start(embedded_dir, cache_dir) -> tuple[subprocess.Popen, str]:
+    """A real Aerie started once on a cache with no graphs yet: (process, base URL)."""
+    proc, url = start_aerie(cache_dir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    yield proc, url
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def first_start_tuned(first_start) -> str:
+    """The first start's line once its tuner starts: after its child stored every graph."""
+    return wait_for(first_start[0], TUNED)
 
 
 @pytest.fixture

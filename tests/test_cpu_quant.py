@@ -3,7 +3,6 @@ the embedded model's Q4_1 grid is recovered exactly, and the embedded model in i
 shipped head, compiled, gives plain's greedy text except at logged near-ties."""
 
 import copy
-import os
 import re
 from pathlib import Path
 
@@ -13,10 +12,10 @@ import torch
 
 from core.bench import load_prompts
 from core.text import render_prompt
-from core.config import TUNED, SamplingConfig
+from core.config import SamplingConfig
 from core.service.factory import EngineSpec, load_tuned
 from models.cpu_quant import GROUP, TWINS, Int4Linear, Int8Linear, bf16_terms, quantize_cpu, quantized
-from tests.conftest import ROOT_ASSETS, start_aerie, tiny_llama, wait_for
+from tests.conftest import ROOT_ASSETS, tiny_llama
 
 HEAD = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct"
 
@@ -132,30 +131,32 @@ def ask(url: str) -> dict:
 
 
 @pytest.mark.slow
-def test_a_first_start_opens_before_compiling_and_tunes_after(embedded_dir, cache_dir):
+@pytest.mark.first_start("open")
+def test_a_first_start_opens_before_compiling(first_start):
     """The embedded model on a cache with no graphs yet: the page is up before any graph is
-    compiled, an answer meanwhile decodes plainly and says so; the tuner starts once a child stored
-    every graph (the target's 1-token verify and its larger buckets, the same for the head), and the next
-    test loads them in seconds. Before the lossless test below, which then needs no compile of its
-    own."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc, url = start_aerie(cache_dir, env=env)
-    try:
-        during = ask(url)
-        assert during["strategy"] == "plain" and "compiling graph" in during["tuning"], during
-        tuned = re.search(r"after compiling (\d+) of (\d+) graphs", wait_for(proc, TUNED))
-        assert tuned and tuned[1] == tuned[2] and int(tuned[1]) >= 4, tuned
-        after = ask(url)
-        assert "compiling" not in after["tuning"] and after["speedup"] is not None, after
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    compiled, and an answer meanwhile decodes plainly and says so. The suite's first test
+    (conftest): the child compiles while the rest of the suite runs."""
+    during = ask(first_start[1])
+    assert during["strategy"] == "plain" and "compiling graph" in during["tuning"], during
+
+
+@pytest.mark.slow
+@pytest.mark.first_start("close")
+def test_the_first_start_tunes_once_every_graph_is_stored(first_start, first_start_tuned, cache_dir):
+    """The tuner starts once the child stored every graph (the target's 1-token verify and its
+    larger buckets, the same for the head), and the next test loads them in seconds: the
+    lossless test below needs no compile of its own."""
+    tuned = re.search(r"after compiling (\d+) of (\d+) graphs", first_start_tuned)
+    assert tuned and tuned[1] == tuned[2] and int(tuned[1]) >= 4, tuned
+    after = ask(first_start[1])
+    assert "compiling" not in after["tuning"] and after["speedup"] is not None, after
     folder = next(k.parent for k in cache_dir.glob("graphs/*/key.json") if "smollm2" in k.read_text())
     assert len([p for p in folder.iterdir() if p.name != "key.json"]) == int(tuned[1])
 
 
 @pytest.mark.slow
-def test_embedded_int4_compiled_is_lossless_up_to_near_ties(embedded_dir, cache_dir):
+@pytest.mark.first_start("close")
+def test_embedded_int4_compiled_is_lossless_up_to_near_ties(first_start_tuned, cache_dir):
     """12 MT-bench prompts x 64 tokens: the tuned EAGLE engine's greedy text equals plain decoding's
     on the same runner. The fp64 KV cache makes a tree's logits equal sequential decoding's, so
     every answer matches; a difference starting at a logged near-tie would be allowed."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.runtime.cpu_linear import use_onednn_linears
+from core.runtime.cpu_linear import BATCHED_KINDS, fastest_batched_linear, use_onednn_linears
 from models.cpu_quant import OneDnnLinear
 from core.train.distill import FRESH_START, FeatureShards, hf_generate, shuffled_prompts, write_answers
 from core.train.batch_gen import PAD_SHARE, BatchGenerator, Capture, GenConfig, choose_batch, prefill_groups
@@ -93,6 +93,25 @@ def test_onednn_linear_is_the_same_linear():
     for shape in [(1, 64), (8, 1, 64), (3, 17, 64)]:
         x = torch.randn(shape)
         torch.testing.assert_close(fast(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear")
+def test_bf16x3_linear_keeps_the_weights_and_rounds_only_the_inputs():
+    """The exact three-term split on bf16 dot products: dense's own weights applied to the inputs
+    rounded to bf16 (only the order of fp32 sums differs), not dense on bf16-rounded weights."""
+    dense = torch.nn.Linear(64, 96, bias=False)
+    fast = OneDnnLinear(dense, rows=8, kind="bf16x3")
+    x = torch.randn(3, 17, 64)
+    rounded = x.bfloat16().float()
+    expected = torch.nn.functional.linear(rounded, dense.weight)
+    got = fast(x)
+    assert got.dtype == torch.float32
+    # The GEMM writes bf16, as the int4 kernel does: the exact result rounded once, except where the
+    # order of the fp32 sums moves a value across a rounding boundary (rare). Rounded weights would
+    # miss most of them.
+    assert (got == expected.bfloat16().float()).float().mean() > 0.98
+    rounded_weights = OneDnnLinear(dense, rows=8, kind="bf16")(x)
+    assert (rounded_weights == expected.bfloat16().float()).float().mean() < 0.9
 
 
 def test_more_rows_than_prompts_and_no_common_prefix():
@@ -268,3 +287,16 @@ def test_answers_added_mid_list_capture_only_the_new_conversations(tmp_path):
     a, b = load_features(paths), load_features(fresh)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.teacher_ids, b.teacher_ids)
     torch.testing.assert_close(a.features.float(), b.features.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_the_batched_linear_is_the_fastest_that_saves_a_tenth(monkeypatch):
+    """Each kind must beat the best before it by 10%: timing noise never flips the choice."""
+    model = tiny_llama(seed=1)
+    assert fastest_batched_linear(model, 8) in ("default", *BATCHED_KINDS)
+    timed = {"default": 1.0, "fp32": 0.95, "bf16x3": 0.5, "bf16": 0.46}
+    monkeypatch.setattr("core.runtime.cpu_linear.linear_seconds", lambda model, rows, kinds: timed)
+    assert fastest_batched_linear(model, 8) == "bf16x3"
+    timed.update(bf16=0.3)
+    assert fastest_batched_linear(model, 8) == "bf16"
+    monkeypatch.setattr("core.runtime.cpu_linear.linear_seconds", lambda model, rows, kinds: {})   # no oneDNN
+    assert fastest_batched_linear(model, 8) == "default"

@@ -4,6 +4,14 @@ torch's default fp32 GEMM (MKL) runs AVX2 code on AMD CPUs and is slow for a few
 uses AVX-512 where there is one. For the embedded model on this 2-core CPU (one thread): a
 forward over 1 token 41 -> 27 ms, over 2 tokens 67 -> 29 ms, over 8 tokens -> 36 ms, which is
 what makes a verified tree cheap. Same fp32 maths; only the summation order differs.
+
+Batched generation (core/train/distill.py) may also take bf16 dot products (AMX or AVX512-BF16)
+where they time faster: bf16x3 (models/cpu_quant.py: the weights exactly, inputs rounded to bf16
+as the served int4 kernel rounds them) or bf16 (the weights rounded too). Its answers are training
+data, not the chat's: greedy answers already differ between fp32 and the served int4 model's bf16
+inputs (48 mix_v1 prompts, 2-core Xeon: 13 of 47 answers identical for bf16x3 and for bf16 against
+fp32, the first difference after a median 40 and 31 tokens), and the head is trained on the
+target's distribution, which these share.
 """
 
 import time
@@ -14,12 +22,16 @@ from models.cpu_quant import OneDnnLinear
 from models.target import Target
 
 
-def onednn_is_faster(model, rows: int) -> bool:
-    """Time one MLP-shaped matmul at `rows` rows both ways (CPU, fp32 weights only)."""
+BATCHED_KINDS = ("fp32", "bf16x3", "bf16")
+
+
+def linear_seconds(model, rows: int, kinds: tuple[str, ...]) -> dict[str, float]:
+    """Seconds of one MLP-shaped matmul at `rows` rows on torch's default GEMM ("default") and on
+    oneDNN as each of `kinds`; {} where oneDNN cannot run (not a CPU fp32 model, no oneDNN)."""
     weight = model.get_input_embeddings().weight
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
             or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
+        return {}
     dense = torch.nn.Linear(weight.shape[1], 4 * weight.shape[1], bias=False)
     x = torch.randn(rows, 1, weight.shape[1])
 
@@ -31,16 +43,33 @@ def onednn_is_faster(model, rows: int) -> bool:
         return time.perf_counter() - t0
 
     with torch.inference_mode():
-        return seconds(OneDnnLinear(dense, rows)) < 0.9 * seconds(dense)
+        return {"default": seconds(dense), **{kind: seconds(OneDnnLinear(dense, rows, kind=kind)) for kind in kinds}}
 
 
-def use_onednn_linears(model: torch.nn.Module, rows: int) -> None:
-    """Swap every nn.Linear of `model` for a OneDnnLinear packed for `rows` rows, in place (pass a
-    model you own; it stays a CPU inference model)."""
+def onednn_is_faster(model, rows: int) -> bool:
+    """Whether oneDNN's fp32 GEMM saves 10% over torch's default at `rows` rows here (timed)."""
+    timed = linear_seconds(model, rows, ("fp32",))
+    return bool(timed) and timed["fp32"] < 0.9 * timed["default"]
+
+
+def fastest_batched_linear(model, rows: int) -> str:
+    """For batched generation: "default", "fp32" (oneDNN), "bf16x3" or "bf16", whichever times
+    fastest at `rows` rows here; a kind must save 10% over the best before it in that order."""
+    timed = linear_seconds(model, rows, BATCHED_KINDS)
+    best = "default"
+    for kind in BATCHED_KINDS:
+        if kind in timed and timed[kind] < 0.9 * timed[best]:
+            best = kind
+    return best
+
+
+def use_onednn_linears(model: torch.nn.Module, rows: int, kind: str = "fp32") -> None:
+    """Swap every nn.Linear of `model` for a OneDnnLinear of `kind` packed for `rows` rows, in
+    place (pass a model you own; it stays a CPU inference model)."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, torch.nn.Linear):
-                setattr(module, name, OneDnnLinear(child, rows))
+                setattr(module, name, OneDnnLinear(child, rows, kind=kind))
 
 
 def accelerate_cpu(target: Target, rows: int = 16) -> bool:

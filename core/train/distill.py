@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from core.text import render_prompt
-from core.runtime.cpu_linear import onednn_is_faster, use_onednn_linears
+from core.runtime.cpu_linear import fastest_batched_linear, use_onednn_linears
 from models.cpu_quant import OneDnnLinear
 from core.train.batch_gen import Answer, BatchGenerator, Capture, GenConfig, choose_batch
 from core.train.row_cache import use_row_group_attention
@@ -35,6 +35,9 @@ DISTILL_SEED = 1234  # ../shared/distill shuffled mix_v1 with random.Random(1234
 # Shuffled mix_v1 indices the shipped answers used (matched by prompt text): greedy-200.jsonl took
 # 0-840, greedy-256.jsonl 6000-9286. 9287 is the first index after both; 841-5999 are unused too.
 FRESH_START = 9287
+# --linear -> the OneDnnLinear kind (models/cpu_quant.py); "default" keeps torch's own GEMM. bf16x3
+# keeps the weights exactly and rounds each linear's input to bf16, as the served int4 kernel does.
+LINEAR_KINDS = {"default": "default", "onednn": "fp32", "bf16x3": "bf16x3", "bf16": "bf16"}
 
 
 def shuffled_prompts(path: Path, start: int, limit: int | None) -> list[str]:
@@ -118,7 +121,7 @@ class GenerateJob:
     prompt_cap: int = 256           # prompts whose chat-templated form is longer are skipped
     batch: int | None = None        # None: choose_batch
     threads: int | None = None      # None: torch's default
-    linear: str = "auto"            # "onednn", "default" (torch's), or "auto": whichever times faster
+    linear: str = "auto"            # "default" (torch's), "onednn" (fp32), "bf16x3", or "auto": whichever times fastest
     features: Path | None = None    # keep features for training heads of `kinds` here (train --features)
     kinds: tuple[str, ...] = ("eagle1",)
 
@@ -131,8 +134,9 @@ def prepare(target: Target, job: GenerateJob) -> BatchGenerator:
     if capacity > target.context_len:
         raise ValueError(f"--prompt-cap + --max-new-tokens = {capacity} exceeds the model's context of {target.context_len}")
     batch = job.batch or choose_batch(target.model, capacity, target.device)
-    if job.linear == "onednn" or (job.linear == "auto" and onednn_is_faster(target.model, batch)):
-        use_onednn_linears(target.model, batch)
+    kind = fastest_batched_linear(target.model, batch) if job.linear == "auto" else LINEAR_KINDS[job.linear]
+    if kind != "default":
+        use_onednn_linears(target.model, batch, kind)
     use_row_group_attention(target.model)
     capture = Capture(capture_layers(target, job.kinds), TEACHER_TOPK) if job.features else None
     return BatchGenerator(target.model, GenConfig(batch, job.max_new_tokens, target.eos_ids, capture=capture), capacity)
@@ -146,8 +150,9 @@ def capture_layers(target: Target, kinds: tuple[str, ...]) -> tuple[int, ...]:
 
 def describe(gen: BatchGenerator) -> dict:
     s = gen.stats
-    onednn = isinstance(gen.head, OneDnnLinear)
-    return {"batch": gen.cfg.batch, "linear": "onednn" if onednn else "default", "decode_steps": s.decode_steps,
+    kind = gen.head.kind if isinstance(gen.head, OneDnnLinear) else "default"
+    linear = {k: name for name, k in LINEAR_KINDS.items()}.get(kind, kind)
+    return {"batch": gen.cfg.batch, "linear": linear, "decode_steps": s.decode_steps,
             "rows_per_step": round(s.row_steps / max(s.decode_steps, 1), 1), "decode_s": round(s.decode_s, 1),
             "prefill_s": round(s.prefill_s, 1), "prefill_tokens": s.prefill_tokens,
             "attended_slots_used": round(s.used_slots / max(s.attended_slots, 1), 2)}
