@@ -140,8 +140,8 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's, one per core); 1 while another job holds a core")
     p.add_argument("--linear", choices=["auto", "onednn", "bf16x3", "bf16", "default"], default="auto",
                    help="CPU matmuls: oneDNN fp32, bf16x3 (oneDNN bf16 on the weights' exact three-term split, "
-                   "inputs rounded to bf16 as the served int4 kernel does; AMX or AVX512-BF16), torch's default "
-                   "(MKL), or auto = whichever a quick timing finds fastest")
+                   "inputs rounded to bf16 as the served int4 kernel does; AMX or AVX512-BF16), bf16 (the weights "
+                   "rounded to bf16 too), torch's default (MKL), or auto = whichever a quick timing finds fastest")
     p.add_argument("--features", type=Path, metavar="DIR", help="also keep each answer's target features and teacher "
                    "logits here, for `launch.py train --features DIR` (saves train its own pass over the answers)")
     p.add_argument("--kinds", choices=["eagle1", "eagle3"], nargs="+", default=["eagle1"],

@@ -114,7 +114,7 @@ def bf16_terms(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(terms, 1)
 
 
-ONEDNN_KINDS = ("fp32", "bf16", *TWINS[1:])   # how a OneDnnLinear holds its weight
+ONEDNN_KINDS = ("fp32", "bf16", "bf16x3")   # how a OneDnnLinear holds its weight
 
 
 def onednn_pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
@@ -122,8 +122,11 @@ def onednn_pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     exact three-term split, `bf16_terms`), packed for calls of about `rows` rows."""
     if kind not in ONEDNN_KINDS:
         raise ValueError(f"a oneDNN weight is one of {ONEDNN_KINDS}, not {kind!r}")
-    held = {"fp32": weight.float(), "bf16": weight.to(torch.bfloat16)}.get(kind)
-    return torch.ops.mkldnn._reorder_linear_weight(held if held is not None else bf16_terms(weight.float()), rows)
+    if kind == "bf16x3":
+        held = bf16_terms(weight.float())
+    else:
+        held = weight.to(torch.float32 if kind == "fp32" else torch.bfloat16)
+    return torch.ops.mkldnn._reorder_linear_weight(held, rows)
 
 
 def onednn_matmul(rows: torch.Tensor, packed: torch.Tensor, out_features: int, kind: str) -> torch.Tensor:

@@ -121,7 +121,7 @@ class GenerateJob:
     prompt_cap: int = 256           # prompts whose chat-templated form is longer are skipped
     batch: int | None = None        # None: choose_batch
     threads: int | None = None      # None: torch's default
-    linear: str = "auto"            # "default" (torch's), "onednn" (fp32), "bf16x3", or "auto": whichever times fastest
+    linear: str = "auto"            # a key of LINEAR_KINDS, or "auto": whichever times fastest
     features: Path | None = None    # keep features for training heads of `kinds` here (train --features)
     kinds: tuple[str, ...] = ("eagle1",)
 
