@@ -203,24 +203,36 @@ def choose_prefill(target: Target, free_bytes: int) -> tuple[str, dict]:
     return (best if ms[best] < WIN * ms["int4"] else "int4"), ms
 
 
-def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
-    """The row counts from which `apply_wide` moves the target's linears to a twin: no graph may
-    span one (core/runtime/graphs.py `row_groups`)."""
+@dataclass(frozen=True)
+class Twin:
+    from_rows: int        # calls of this many rows or more run on it
+    kind: str             # one of TWINS
+    prefill_only: bool    # past every verify size; not on the LM head, which a prefill applies to one row
+
+
+def twin_of(choice: KernelChoice) -> Twin | None:
+    """The twin `choice` gives the target's int4 layers: the fp32 one for calls of `wide_from` rows
+    or more (prefills included), else a prefill's own past every verify size, else none."""
     if choice.wide_from is not None:
-        return (choice.wide_from,)
-    return (PREFILL_FROM,) if choice.prefill != "int4" else ()
+        return Twin(choice.wide_from, "fp32", prefill_only=False)
+    return Twin(PREFILL_FROM, choice.prefill, prefill_only=True) if choice.prefill != "int4" else None
+
+
+def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
+    """The row counts from which the target's linears run on a twin: no graph may span one
+    (core/runtime/graphs.py `row_groups`)."""
+    twin = twin_of(choice)
+    return () if twin is None else (twin.from_rows,)
 
 
 def apply_wide(target: Target, choice: KernelChoice, prefills: bool = True) -> None:
-    """Give every int4 layer the twin `choice` calls for: the fp32 one for calls of `wide_from`
-    rows or more (prefills included), else, with `prefills`, a prefill's own for calls past every
-    verify size."""
-    if choice.wide_from is not None:
-        for layer in int4_layers(target):
-            layer.widen(from_rows=choice.wide_from)
-    elif choice.prefill != "int4" and prefills:
-        for layer in int4_layers(target, decoder_only=True):
-            layer.widen(from_rows=PREFILL_FROM, kind=choice.prefill)
+    """Give the int4 layers the twin `choice` calls for (`twin_of`); without `prefills`, none
+    that serves only prefills."""
+    twin = twin_of(choice)
+    if twin is None or (twin.prefill_only and not prefills):
+        return
+    for layer in int4_layers(target, decoder_only=twin.prefill_only):
+        layer.widen(from_rows=twin.from_rows, kind=twin.kind)
 
 
 @torch.inference_mode()
