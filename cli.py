@@ -69,7 +69,8 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU: at many rows fp32 oneDNN beats the int4 kernel)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
-    p.add_argument("--answers", type=Path, nargs="+", help="distill jsonl files or folders of them (default for the embedded model: ../shared/distill/smollm2-135m-instruct)")
+    p.add_argument("--answers", type=Path, nargs="+", help="distill jsonl files, answer stores (launch.py generate) or folders of them (default: the model's stores under "
+                   "data/answers, and for the embedded model ../shared/distill/smollm2-135m-instruct)")
     p.add_argument("--features", type=Path, help="folder of captured target features, shareable between runs (default: OUT/features)")
     p.add_argument("--kind", choices=["eagle1", "eagle3"], default="eagle1", help="head architecture")
     p.add_argument("--draft-vocab", type=int, help="eagle3: keep the N most frequent answer tokens (default: the whole vocabulary)")
@@ -122,8 +123,9 @@ def default_head(model: str | None) -> str | None:
 
 def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch.py generate", description="Aerie: the target's greedy answers to training "
-                                "prompts, continuously batched, appended to a distill jsonl (rerun to resume).")
-    p.add_argument("--out", type=Path, help="distill jsonl to append to; prompts already in it are skipped")
+                                "prompts, continuously batched, kept as token ids in an answer store (rerun to resume).")
+    p.add_argument("--out", type=Path, help="answer store folder; prompts already in it are skipped (default: "
+                   "data/answers/MODEL-WEIGHTS-KERNELS, committed, at most 40 MB under data/)")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU: at many rows fp32 oneDNN beats the int4 kernel)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
@@ -150,6 +152,6 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
                    help="benchmark instead: the same prompts through transformers generate (batch 48 unless given), "
                    "then through Aerie's generator; print both tokens/s and the ratio, write nothing")
     args = p.parse_args(argv)
-    if args.out is None and args.compare_hf is None:
-        p.error("--out is required (or --compare-hf for a benchmark)")
+    if args.out is not None and args.out.suffix in (".jsonl", ".gz"):
+        p.error("--out is a folder (an answer store), not a file")
     return args

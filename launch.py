@@ -5,7 +5,7 @@
     python3 launch.py test [pytest args]                    set up with the test extras, run the tests
     python3 launch.py bench [--head H] ...                  every decoding strategy on MT-bench prompts
     python3 launch.py train --out DIR [--model M] ...       train an EAGLE head by self-distillation
-    python3 launch.py generate --out FILE.jsonl ...         greedy answers for training, continuously batched
+    python3 launch.py generate [--out DIR] ...              greedy answers for training, continuously batched
     python3 launch.py compile [--model M] ...               store a CPU model's compiled graphs (the app runs it itself)
 
 The first part runs on any Python >= 3.10 with the standard library only: it builds `.venv` next
@@ -348,12 +348,14 @@ def run_train(args: argparse.Namespace) -> None:
     from core.bench import load_prompts
     from core.errors import AerieError
     from core.train.loop import TrainConfig, train
+    from core.text import render_prompt
     from core.train.data import DataConfig
     from models.target import load_target
 
-    answers = args.answers or ([ROOT.parent / "shared" / "distill" / "smollm2-135m-instruct"] if args.model is None else None)
+    answers = args.answers or default_answers(args.model)
     if not answers:
-        fail("--answers is needed with --model: pass distill jsonl files of that model's answers.")
+        fail("--answers is needed with --model: pass distill jsonl files or answer stores (launch.py generate) "
+             "of that model's answers.")
     bench_prompts = ROOT / "assets" / "bench" / "mt_bench.jsonl"  # never trained on
     exclude = tuple(p.text for p in load_prompts(bench_prompts, None)) if bench_prompts.is_file() else ()
     try:
@@ -362,17 +364,30 @@ def run_train(args: argparse.Namespace) -> None:
                           init_head=args.init_from,
                           seed=args.seed, save_every=args.save_every, eval_every=args.eval_every, threads=args.threads,
                           time_limit_s=args.time_limit * 60 if args.time_limit else None)
-        data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
-                          exclude_prompts=exclude, features_dir=args.features)
         target = load_target(target_spec(args, batched=True))
+        # Stores keep token ids only: the benchmark prompts are matched as the chat template renders them.
+        exclude_ids = frozenset(tuple(render_prompt(target.tokenizer, [{"role": "user", "content": t}])) for t in exclude)
+        data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
+                          exclude_prompts=exclude, exclude_ids=exclude_ids, features_dir=args.features)
         summary = train(target, data, cfg, args.out, resume=args.resume)
     except (AerieError, ValueError) as e:
         fail(e)
     print(json.dumps(summary))
 
 
+def default_answers(model: str | None) -> list[Path]:
+    """What train reads without --answers: every answer store under data/answers made by this
+    model (core/train/distill.py store_name), and for the embedded model the shipped distill files."""
+    from core.train.answers import is_store
+
+    name = Path(model).name.lower() if model else "smollm2-135m-instruct"
+    stores = sorted(d for d in (ROOT / "data" / "answers").glob(f"{name}-*") if is_store(d))
+    return ([ROOT.parent / "shared" / "distill" / name] if model is None else []) + stores
+
+
 def run_generate(args: argparse.Namespace) -> None:
     from core.errors import AerieError
+    from core.train.answers import DATA_BUDGET
     from core.train.distill import FRESH_START, GenerateJob, compare_with_hf, distill
     from models.target import load_target
 
@@ -383,7 +398,8 @@ def run_generate(args: argparse.Namespace) -> None:
         fail(f"No prompts file at {job.prompts}.")
     try:
         target = load_target(target_spec(args, batched=True))
-        summary = compare_with_hf(target, job, args.compare_hf) if args.compare_hf else distill(target, job, args.out)
+        summary = (compare_with_hf(target, job, args.compare_hf) if args.compare_hf
+                   else distill(target, job, args.out, ROOT / "data" / "answers", DATA_BUDGET))
     except (AerieError, ValueError) as e:
         fail(e)
     print(json.dumps(summary))

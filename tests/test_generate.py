@@ -12,6 +12,7 @@ import torch
 
 from core.runtime.cpu_linear import BATCHED_KINDS, fastest_batched_linear, use_onednn_linears
 from models.cpu_quant import OneDnnLinear
+from core.train.answers import SHARD_ANSWERS, AnswerStore, AnswerStoreError, read_answers
 from core.train.distill import FRESH_START, FeatureShards, hf_generate, shuffled_prompts, write_answers
 from core.train.batch_gen import PAD_SHARE, BatchGenerator, Capture, GenConfig, choose_batch, prefill_groups
 from core.train.row_cache import ROW_GROUPS, bands, use_row_group_attention
@@ -163,28 +164,70 @@ class ByteTokenizer:
         return list(text.encode())
 
 
-def test_write_answers_appends_distill_lines_and_resumes(tmp_path):
+SOURCE = {"target": {"model": "tiny", "quant": "none", "linear": "default"}, "prompts": {"file": "p.jsonl"}}
+
+
+def test_write_answers_stores_token_ids_and_resumes(tmp_path):
     model = tiny_llama(seed=7)
     tok = ByteTokenizer()
-    texts = ["hi", "what is two and two?", "x" * 90, "tell me a story", "ok"]
-    out = tmp_path / "answers.jsonl"
+    prompts = dict(enumerate(["hi", "what is two and two?", "x" * 90, "tell me a story", "ok"], 40))
+    folder = tmp_path / "store"
 
     def generator():
         return BatchGenerator(model, GenConfig(batch=2, max_new_tokens=6), capacity=80)
 
-    first = write_answers(generator(), tok, texts[:2], out, prompt_cap=70, progress=False)
+    first = write_answers(generator(), tok, {i: prompts[i] for i in (40, 41)}, AnswerStore(folder, SOURCE), prompt_cap=70,
+                          progress=False)
     assert first["answered"] == 2
-    with out.open("a") as f:
-        f.write('{"prompt": "tell me a st')  # a run killed mid-line
-    summary = write_answers(generator(), tok, texts, out, prompt_cap=70, progress=False)
+    (folder / "answers-000099-torn.jsonl.gz.tmp").write_bytes(b"\x1f\x8b")  # a run killed mid-shard: never listed
+    summary = write_answers(generator(), tok, prompts, AnswerStore(folder, SOURCE), prompt_cap=70, progress=False)
     assert summary == {**summary, "already_answered": 2, "over_prompt_cap": 1, "answered": 2}
-    rows = [json.loads(line) for line in out.read_text().split("\n") if line]
-    assert sorted(r["prompt"] for r in rows) == sorted(texts[:2] + texts[3:])
+    rows = [row for _, row in read_answers(folder)]
+    assert sorted(r["index"] for r in rows) == [40, 41, 43, 44] and set(rows[0]) == {"index", "prompt_ids", "answer_ids"}
     for r in rows:
-        assert r["prompt_ids"] == tok.encode(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}]))
+        assert r["prompt_ids"] == tok.encode(tok.apply_chat_template([{"role": "user", "content": prompts[r["index"]]}]))
         assert tuple(r["answer_ids"]) == greedy_alone(model, r["prompt_ids"], 6, ())
-    again = write_answers(generator(), tok, texts, out, prompt_cap=70, progress=False)
-    assert again["answered"] == 0 and len(out.read_text().split("\n")) == len(rows) + 1
+    again = write_answers(generator(), tok, prompts, AnswerStore(folder, SOURCE), prompt_cap=70, progress=False)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert again["answered"] == 0 and len(manifest["shards"]) == 2 and manifest["answers"] == 4
+    assert manifest["answer_tokens"] == sum(len(r["answer_ids"]) for r in rows) and manifest["source"] == SOURCE
+
+
+def test_an_answer_store_refuses_another_source_a_damaged_shard_and_a_full_budget(tmp_path):
+    folder = tmp_path / "data" / "store"
+    store = AnswerStore(folder, SOURCE)
+    for i in range(SHARD_ANSWERS + 3):                    # one full shard written at once, then 3 at flush
+        store.add(i, [1, 2, 3], [4, 5, i % 7])
+    assert len(list(folder.glob("*.jsonl.gz"))) == 1
+    store.flush()
+    assert len(store.answered()) == SHARD_ANSWERS + 3
+    other = {**SOURCE, "target": {**SOURCE["target"], "linear": "bf16"}}
+    with pytest.raises(AnswerStoreError, match="another source"):
+        AnswerStore(folder, other)
+    small = AnswerStore(tmp_path / "data" / "other", other, budget=(tmp_path / "data", 1000))
+    small.add(0, [1], [2])
+    with pytest.raises(AnswerStoreError, match="budget"):
+        small.flush()
+    shard = next(folder.glob("*.jsonl.gz"))
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    with pytest.raises(AnswerStoreError, match="differs from its manifest"):
+        list(read_answers(folder))
+
+
+def test_train_reads_answer_stores_and_drops_benchmark_prompts_by_their_ids(tmp_path):
+    from core.train.data import DataConfig, TrainDataError, load_conversations
+
+    store = AnswerStore(tmp_path / "store", SOURCE)
+    store.add(0, [5, 6, 7], [8, 9])
+    store.add(1, [5, 6, 1], [2, 3])
+    store.flush()
+    lines = tmp_path / "old.jsonl"
+    lines.write_text(json.dumps({"prompt": "p", "prompt_ids": [9, 9], "answer_ids": [1]}) + "\n")
+    convs, dropped = load_conversations(DataConfig(answers=(tmp_path,), exclude_ids=frozenset({(5, 6, 1)})), 256, 512)
+    assert [c.ids for c in convs] == [(9, 9, 1), (5, 6, 7, 8, 9)] and dropped == 1
+    (tmp_path / "store" / "manifest.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(TrainDataError, match="manifest"):
+        load_conversations(DataConfig(answers=(tmp_path / "store",)), 256, 512)
 
 
 @pytest.mark.skipif(not (SHARED / "distill").is_dir(), reason="needs ../shared/distill and ../shared/prompts")
@@ -201,16 +244,17 @@ def test_launch_generate_flags():
     spec = importlib.util.spec_from_file_location("aerie_launch", Path(__file__).resolve().parent.parent / "launch.py")
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
-    args = launch.parse_generate_args(["--out", "answers.jsonl"])
+    args = launch.parse_generate_args([])
     assert (args.start, args.limit, args.max_new_tokens, args.prompt_cap, args.batch, args.compare_hf) == \
         (None, None, 256, 256, None, None)
     assert args.prompts.name == "mix_v1.jsonl" and args.linear == "auto"
     assert launch.parse_generate_args(["--compare-hf", "--limit", "96"]).compare_hf == 48
     assert (args.features, args.kinds) == (None, ["eagle1"])
-    keep = launch.parse_generate_args(["--out", "a.jsonl", "--features", "f", "--kinds", "eagle1", "eagle3"])
+    keep = launch.parse_generate_args(["--features", "f", "--kinds", "eagle1", "eagle3"])
     assert (str(keep.features), keep.kinds) == ("f", ["eagle1", "eagle3"])
+    assert str(launch.parse_generate_args(["--out", "answers"]).out) == "answers"
     with pytest.raises(SystemExit):
-        launch.parse_generate_args([])
+        launch.parse_generate_args(["--out", "answers.jsonl"])   # a store is a folder
 
 
 @pytest.mark.parametrize("layers", [(2,), (0, 1, 2)])
@@ -251,9 +295,10 @@ def test_train_takes_generated_features_instead_of_capturing(tmp_path):
     shards = FeatureShards(tmp_path / "gen", (1, 2), signature(target, 16))
     gen = BatchGenerator(model, GenConfig(batch=3, max_new_tokens=8, capture=Capture((1, 2), 16)), capacity=120)
     texts = [f"question {i}: " + "why" * (i % 5) for i in range(10)]
-    write_answers(gen, tok, texts, tmp_path / "answers.jsonl", prompt_cap=100, progress=False, shards=shards)
+    write_answers(gen, tok, dict(enumerate(texts)), AnswerStore(tmp_path / "answers", SOURCE), prompt_cap=100,
+                  progress=False, shards=shards)
     assert len(list((tmp_path / "gen").glob("gen-*.safetensors"))) == 1  # 10 answers: one flush at the end
-    cfg = DataConfig(answers=(tmp_path / "answers.jsonl",), shard_size=4, teacher_topk=16)
+    cfg = DataConfig(answers=(tmp_path / "answers",), shard_size=4, teacher_topk=16)
     convs, _ = load_conversations(cfg, 256, 512)
     for layers in [(2,), (1,), (1, 2)]:
         reused, stats = capture(target, convs, layers, cfg, tmp_path / "gen", f"{layers}")

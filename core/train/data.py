@@ -26,12 +26,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from core.train.answers import AnswerStoreError, is_store, read_answers
 from models.errors import AerieError
 from models.target import Target
 
@@ -62,38 +64,60 @@ class DataConfig:
     val_tokens: int = 16_000              # cap on validation answer tokens
     split_seed: int = 0                   # salt of the hash split; fixed so runs share one val set
     exclude_prompts: tuple[str, ...] = ()  # benchmark prompts: never train on them
+    exclude_ids: frozenset = frozenset()   # the same, chat-templated to token ids (stores keep no text)
     features_dir: Path | None = None      # shard folder (None = OUT/features); may be shared by runs
     shard_size: int = 64                  # conversations per shard
     capture_tokens: int = 4096            # padded tokens per target forward during capture
     teacher_topk: int = TEACHER_TOPK
 
 
+def answer_rows(paths: tuple[Path, ...]) -> Iterator[tuple[str, dict]]:
+    """(where, a distill line's dict) from each path: a distill jsonl, an answer store
+    (core/train/answers.py), or a folder of either."""
+    for path in map(Path, paths):
+        if is_store(path):
+            yield from read_answers(path)
+        elif path.is_dir():
+            for f in sorted(path.glob("*.jsonl")):
+                yield from answer_rows((f,))
+            for store in sorted(d for d in path.iterdir() if is_store(d)):
+                yield from answer_rows((store,))
+        elif path.is_file():
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if line.strip():
+                    try:
+                        yield f"{path}:{n}", json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise TrainDataError(f"{path}:{n} is not a distill line with prompt_ids and answer_ids ({err}).") from err
+        else:
+            raise TrainDataError(f"The answers file {path} does not exist.")
+
+
 def load_conversations(cfg: DataConfig, vocab_size: int, context_len: int) -> tuple[list[Conversation], int]:
-    """All usable conversations in file order, and how many were dropped as benchmark prompts."""
-    files = [f for p in cfg.answers for f in (sorted(Path(p).glob("*.jsonl")) if Path(p).is_dir() else [Path(p)])]
-    if not files:
-        raise TrainDataError(f"No answers found in {', '.join(map(str, cfg.answers))}; pass distill jsonl files.")
+    """All usable conversations in file order, and how many were dropped as benchmark prompts
+    (by text where a line has it, by its prompt's token ids in `cfg.exclude_ids`)."""
     banned = {t.strip()[:PREFIX_CHARS] for t in cfg.exclude_prompts}
-    out, dropped = [], 0
-    for f in files:
-        if not f.is_file():
-            raise TrainDataError(f"The answers file {f} does not exist.")
-        for n, line in enumerate(f.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
+    out, dropped, seen = [], 0, 0
+    try:
+        for where, row in answer_rows(cfg.answers):
+            seen += 1
             try:
-                row = json.loads(line)
                 conv = Conversation(tuple(map(int, row["prompt_ids"])), tuple(map(int, row["answer_ids"])))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-                raise TrainDataError(f"{f}:{n} is not a distill line with prompt_ids and answer_ids ({err}).") from err
-            if str(row.get("prompt", "")).strip()[:PREFIX_CHARS] in banned:
+            except (KeyError, TypeError, ValueError) as err:
+                raise TrainDataError(f"{where} is not a distill line with prompt_ids and answer_ids ({err}).") from err
+            if str(row.get("prompt", "")).strip()[:PREFIX_CHARS] in banned or conv.prompt_ids in cfg.exclude_ids:
                 dropped += 1
                 continue
             if max(conv.ids) >= vocab_size or min(conv.ids) < 0:
-                raise TrainDataError(f"{f}:{n} has token ids outside this model's vocabulary of {vocab_size}; "
+                raise TrainDataError(f"{where} has token ids outside this model's vocabulary of {vocab_size}; "
                                      "were these answers made by another model?")
             if conv.prompt_ids and conv.answer_ids and len(conv.ids) <= context_len:
                 out.append(conv)
+    except AnswerStoreError as err:
+        raise TrainDataError(str(err)) from err
+    if not seen:
+        raise TrainDataError(f"No answers found in {', '.join(map(str, cfg.answers))}; pass distill jsonl files "
+                             "or answer stores.")
     return out, dropped
 
 

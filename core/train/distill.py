@@ -1,8 +1,9 @@
-"""`launch.py generate`: the target's greedy answers to training prompts, as distill files.
+"""`launch.py generate`: the target's greedy answers to training prompts, kept in an answer store.
 
 Prompts are mix_v1 (../shared/prompts) shuffled as ../shared/distill did, answered with the chat
-template by the batched generator (core/train/batch_gen.py) and appended as lines {prompt, prompt_ids,
-answer_ids} as they finish, so a killed run resumes. With `features`, the generator also keeps
+template by the batched generator (core/train/batch_gen.py) and stored as they finish as token ids
+(core/train/answers.py: by default under data/answers/, committed, so they outlast the session's
+machine), so a killed run resumes. With `features`, the generator also keeps
 each answer's target features and teacher logits, written as gen-* shards that `launch.py train
 --features` reads instead of capturing them again (core/train/data.py): one pass over the target
 instead of two. A kill loses at most a shard's worth of features; train captures those itself.
@@ -20,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from core.text import render_prompt
+from core.train.answers import AnswerStore, file_sha256
 from core.runtime.cpu_linear import fastest_batched_linear, use_onednn_linears
 from models.cpu_quant import OneDnnLinear
 from core.train.batch_gen import Answer, BatchGenerator, Capture, GenConfig, choose_batch
@@ -46,15 +48,9 @@ def shuffled_prompts(path: Path, start: int, limit: int | None) -> list[str]:
     return texts[start: None if limit is None else start + limit]
 
 
-def answered_prompts(out: Path) -> set[str]:
-    """Prompts already answered in `out`. A torn last line (a killed run) is cut off first."""
-    if not out.is_file():
-        return set()
-    data = out.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[: data.rfind(b"\n") + 1]
-        out.write_bytes(data)
-    return {json.loads(line)["prompt"] for line in data.decode().split("\n") if line.strip()}
+def prompts_record(path: Path) -> dict:
+    """Which prompts an answer store's indices refer to."""
+    return {"file": path.name, "sha256": file_sha256(path), "shuffle_seed": DISTILL_SEED}
 
 
 @dataclass
@@ -81,31 +77,31 @@ class FeatureShards:
         self.pending.clear()
 
 
-def write_answers(generator: BatchGenerator, tokenizer, texts: list[str], out: Path, prompt_cap: int,
+def write_answers(generator: BatchGenerator, tokenizer, prompts: dict[int, str], store: AnswerStore, prompt_cap: int,
                   progress: bool = True, shards: FeatureShards | None = None) -> dict:
-    """Answer every text not yet in `out` whose chat-templated prompt has <= prompt_cap tokens,
-    appending distill lines {prompt, prompt_ids, answer_ids} as answers finish (and, given
-    `shards`, their features). Resumable."""
-    done = answered_prompts(out)
-    todo = [t for t in dict.fromkeys(texts) if t not in done]
-    rendered = [render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in todo]
-    keep = [i for i, ids in enumerate(rendered) if len(ids) <= prompt_cap]
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Answer every prompt (index -> text) not yet in `store` whose chat-templated form has <=
+    prompt_cap tokens, storing each answer as it finishes (and, given `shards`, its features). Resumable."""
+    done = store.answered()
+    todo = [i for i in prompts if i not in done]
+    rendered = {i: render_prompt(tokenizer, [{"role": "user", "content": prompts[i]}]) for i in todo}
+    keep = [i for i in todo if len(rendered[i]) <= prompt_cap]
     tokens, t0 = 0, time.perf_counter()
-    with out.open("a") as f, tqdm(total=len(keep), unit="answer", disable=not progress, smoothing=0.05) as bar:
-        for answer in generator.generate([rendered[i] for i in keep]):
-            i = keep[answer.index]
-            f.write(json.dumps({"prompt": todo[i], "prompt_ids": rendered[i], "answer_ids": list(answer.answer_ids)}) + "\n")
-            f.flush()
+    with tqdm(total=len(keep), unit="answer", disable=not progress, smoothing=0.05) as bar:
+        try:
+            for answer in generator.generate([rendered[i] for i in keep]):
+                i = keep[answer.index]
+                store.add(i, rendered[i], answer.answer_ids)
+                if shards is not None:
+                    shards.add(rendered[i], answer)
+                tokens += len(answer.answer_ids)
+                bar.update(1)
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
+        finally:  # a stopped run keeps what finished
+            store.flush()
             if shards is not None:
-                shards.add(rendered[i], answer)
-            tokens += len(answer.answer_ids)
-            bar.update(1)
-            bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
-    if shards is not None:
-        shards.flush()
+                shards.flush()
     seconds = time.perf_counter() - t0
-    return {"already_answered": len(texts) - len(todo), "over_prompt_cap": len(todo) - len(keep),
+    return {"already_answered": len(prompts) - len(todo), "over_prompt_cap": len(todo) - len(keep),
             "answered": len(keep), "answer_tokens": tokens, "seconds": round(seconds, 1),
             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
 
@@ -158,13 +154,30 @@ def describe(gen: BatchGenerator) -> dict:
             "attended_slots_used": round(s.used_slots / max(s.attended_slots, 1), 2)}
 
 
-def distill(target: Target, job: GenerateJob, out: Path) -> dict:
-    """Append the target's greedy answers to `out` (resumable); a summary for the last line."""
+def distill(target: Target, job: GenerateJob, out: Path | None, answers_root: Path, budget: int | None = None) -> dict:
+    """Store the target's greedy answers in `out`, or by default in answers_root/<store_name>
+    (resumable; answers_root's files kept within `budget` bytes); a summary for the last line."""
     gen = prepare(target, job)
     texts = shuffled_prompts(job.prompts, job.start, job.limit)
     capture = gen.cfg.capture  # set by prepare when job.features is given
     shards = FeatureShards(job.features, capture.layers, signature(target, capture.topk)) if capture else None
-    return {**write_answers(gen, target.tokenizer, texts, out, job.prompt_cap, shards=shards), **describe(gen)}
+    source = {"target": target_record(target, job, describe(gen)["linear"]), "prompts": prompts_record(job.prompts)}
+    folder = out or answers_root / store_name(source["target"])
+    limit = (answers_root, budget) if budget is not None and folder.resolve().is_relative_to(answers_root.resolve()) else None
+    store = AnswerStore(folder, source, limit)
+    summary = write_answers(gen, target.tokenizer, dict(enumerate(texts, job.start)), store, job.prompt_cap, shards=shards)
+    return {**summary, **describe(gen), "store": str(folder)}
+
+
+def target_record(target: Target, job: GenerateJob, linear: str) -> dict:
+    """What produced a store's answers: the model, its weights, the generator's matmuls, the caps."""
+    return {"model": Path(str(target.model.config.name_or_path)).name.lower(), "quant": target.quant,
+            "linear": linear, "decoding": "greedy", "max_new_tokens": job.max_new_tokens, "prompt_cap": job.prompt_cap}
+
+
+def store_name(record: dict) -> str:
+    """e.g. smollm2-135m-instruct-none-bf16: one store per model, weights and generator kernels."""
+    return f"{record['model']}-{record['quant']}-{record['linear']}"
 
 
 def compare_with_hf(target: Target, job: GenerateJob, hf_batch: int = 48) -> dict:
