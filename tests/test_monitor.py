@@ -13,7 +13,7 @@ from core.config import ReplyStats, SamplingConfig
 from core.runtime.memory import storage, tensor_bytes
 from core.tune.monitor import engine_memory, gpu_bars, snapshot
 from core.tune.probe import GpuReading, Probe
-from core.tune.latency import cached_profile
+from core.tune.latency import cached_profile, profile_mismatch, shape_mismatch
 from tests.conftest import load_tuned_tiny
 from tests.fakes import FakeNvml
 
@@ -55,6 +55,25 @@ def test_profile_is_cached_per_key(loaded, tmp_path):
     for stored in (tmp_path / "profiles").iterdir():
         stored.write_text("{not json")
     assert cached_profile(tmp_path, key, measure) == (loaded.tuner.profile, False)  # re-measured, not a crash
+    assert cached_profile(tmp_path, key, measure, check=lambda stored: None) == (loaded.tuner.profile, True)
+    n = len(calls)
+    assert cached_profile(tmp_path, key, measure, check=lambda stored: "it drifted") == (loaded.tuner.profile, False)
+    assert len(calls) == n + 1
+
+
+def test_a_stored_profile_must_keep_the_shape_of_this_machines_costs():
+    """Uniformly slower is load (the meter rescales); trees dearer relative to one token is not."""
+    assert shape_mismatch((1, 2, 4), [20.0, 22.0, 26.0], [10.0, 11.0, 13.0]) is None
+    assert shape_mismatch((1, 2, 4), [10.0, 11.5, 13.5], [10.0, 11.0, 13.0]) is None      # within 15%
+    why = shape_mismatch((1, 2, 4), [15.8, 22.9, 24.8], [10.0, 10.4, 12.0])               # session 12's busy minute
+    assert why is not None and why.startswith("a 2-token round costs 1.45x")
+
+
+def test_the_check_reads_a_real_engine_and_keeps_a_fresh_profile(loaded):
+    """Timed again right away, the engine's own profile passes the start-up check (or, on a noisy
+    host, fails it with a reason that names the sizes)."""
+    why = profile_mismatch(loaded.engine, loaded.tuner.profile)
+    assert why is None or "-token round costs" in why
 
 
 def test_tuned_service_is_lossless_and_reports_speedup(loaded):

@@ -25,7 +25,8 @@ from core.errors import UnsupportedModelError
 from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice, choose_head_weights,
                                choose_prefill, choose_wide_from, kernel_edges, machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
-from core.tune.latency import LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key
+from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
+                               profile_mismatch)
 from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
 from models.head_config import head_config_for_target
@@ -181,7 +182,8 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
         used += f", {kernels.describe()}"
     key = profile_key(engine, spec.head, used, offloaded)
     sizes = LARGE_SIZES if offloaded else SIZES
-    profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes))
+    profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes),
+                                     lambda stored: profile_mismatch(engine, stored))
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
     max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)

@@ -119,22 +119,61 @@ def head_identity(source: str | None) -> str | None:
     return "folder:" + hashlib.sha1(b"\n".join(parts)).hexdigest()[:16]
 
 
-def cached_profile(cache_dir: Path, key: dict, measure) -> tuple[LatencyProfile, bool]:
-    """The profile stored for `key`, or `measure()` stored now; -> (profile, whether it was cached)."""
+def cached_profile(cache_dir: Path, key: dict, measure, check=None) -> tuple[LatencyProfile, bool]:
+    """The profile stored for `key`, or `measure()` stored now; -> (profile, whether it was cached).
+    With `check` (profile -> why it no longer fits this machine, or None), a stored profile that
+    fails it is measured again: one timed in a busy minute would steer the tuner for good."""
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir / "profiles" / f"{digest}.json"
     if path.is_file():
         try:
-            return LatencyProfile.from_json(json.loads(path.read_text())["profile"]), True
+            stored = LatencyProfile.from_json(json.loads(path.read_text())["profile"])
+            why = check(stored) if check is not None else None
+            if why is None:
+                return stored, True
+            print(f"Aerie: re-timing this machine for the tuner: {why}.", flush=True)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             print(f"Aerie: re-measuring: the stored profile {path} is unreadable ({e}).", flush=True)
-    print("Aerie: timing this machine for the draft-tree tuner (once; cached for later starts)...", flush=True)
+    else:
+        print("Aerie: timing this machine for the draft-tree tuner (once; cached for later starts)...", flush=True)
     profile = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"key": key, "profile": profile.to_json()}, indent=1))
     tmp.replace(path)
     return profile, False
+
+
+CHECK_SIZES = (1, 2, 4)    # the trees a CPU's tuner picks most: what a stored profile must still get right
+CHECK_TOLERANCE = 0.15
+
+
+@torch.inference_mode()
+def profile_mismatch(engine, profile: LatencyProfile) -> str | None:
+    """Why `profile` no longer describes this engine, or None. It times the rounds of CHECK_SIZES
+    (about 0.3 s on a 2-core CPU) and compares each one's cost relative to a 1-token round with the
+    profile's: a machine uniformly busier or quieter than when profiled is fine (the meter rescales
+    by the measured load), a different shape (trees dearer or cheaper relative to plain decoding)
+    is not."""
+    sizes = tuple(n for n in CHECK_SIZES if n in profile.sizes)
+    if len(sizes) < 2:
+        return None
+    ids = torch.randint(0, engine.target.model.config.get_text_config().vocab_size, (SHORT_CONTEXT + max(sizes),),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    measured = monotone(rounds(engine, ids, SHORT_CONTEXT, sizes))
+    engine.reset()
+    return shape_mismatch(sizes, measured, [profile.round(n, SHORT_CONTEXT) for n in sizes])
+
+
+def shape_mismatch(sizes, measured, profiled, tolerance: float = CHECK_TOLERANCE) -> str | None:
+    """Where the cost of a round of n tokens relative to one token's differs from the profile's by
+    more than `tolerance`: a line saying so, or None."""
+    for n, m, p in zip(sizes[1:], measured[1:], profiled[1:]):
+        now, then = m / measured[0], p / profiled[0]
+        if abs(now / then - 1) > tolerance:
+            return (f"a {n}-token round costs {now:.2f}x a 1-token one now, {then:.2f}x in the stored profile "
+                    f"({measured[0]:.1f} / {m:.1f} ms against {profiled[0]:.1f} / {p:.1f})")
+    return None
 
 
 @torch.inference_mode()
