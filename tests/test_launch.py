@@ -1,4 +1,4 @@
-"""The launcher's stdlib-only parts: reading pyproject.toml (with and without tomllib), ports; and a
+"""The launcher's stdlib-only parts (launch.py, setup_env.py): reading pyproject.toml (with and without tomllib), ports; and a
 start with a missing head refused before the model loads."""
 
 import builtins
@@ -15,15 +15,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_launcher():
-    spec = importlib.util.spec_from_file_location("aerie_launch", ROOT / "launch.py")
+def load_launcher(name: str = "launch"):
+    spec = importlib.util.spec_from_file_location(f"aerie_{name}", ROOT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def load_setup():
+    return load_launcher("setup_env")
+
+
 def test_pyproject_reader_agrees_with_tomllib(monkeypatch):
-    launch = load_launcher()
+    launch = load_setup()
     with_tomllib = launch.pyproject_lists()
     real_import = builtins.__import__
 
@@ -49,7 +53,7 @@ def test_free_port_skips_a_taken_port():
 
 
 def test_setup_installs_only_the_groups_the_stamp_lacks(tmp_path, monkeypatch):
-    launch = load_launcher()
+    launch = load_setup()
     calls = []
     monkeypatch.setattr(launch, "STAMP", tmp_path / "stamp.json")
     monkeypatch.setattr(launch, "venv_python", lambda: Path(launch.sys.executable))
@@ -67,7 +71,7 @@ def test_setup_installs_only_the_groups_the_stamp_lacks(tmp_path, monkeypatch):
 
 
 def test_windows_with_an_nvidia_gpu_gets_a_cuda_torch_within_the_pinned_range():
-    launch = load_launcher()
+    launch = load_setup()
     deps = launch.pyproject_lists()["dependencies"]
     pinned = next(d for d in deps if d.startswith("torch>") or d.startswith("torch="))
     args = launch.cuda_torch_args(deps, windows=True, nvidia=True)
@@ -78,7 +82,7 @@ def test_windows_with_an_nvidia_gpu_gets_a_cuda_torch_within_the_pinned_range():
 
 
 def test_the_cuda_torch_is_installed_before_the_other_dependencies(tmp_path, monkeypatch):
-    launch = load_launcher()
+    launch = load_setup()
     calls = []
     cuda = ["--upgrade", "torch>=2.6,<2.14", "--index-url", launch.TORCH_CUDA_INDEX]
     monkeypatch.setattr(launch, "cuda_torch_args", lambda deps, windows, nvidia: cuda)
@@ -127,7 +131,7 @@ def test_a_missing_head_folder_is_told_before_the_model_loads(embedded_dir, cach
 
 
 def test_setup_says_each_step_and_what_to_do_when_pip_fails(tmp_path, monkeypatch, capsys):
-    launch = load_launcher()
+    launch = load_setup()
     monkeypatch.setattr(launch, "STAMP", tmp_path / "stamp.json")
     monkeypatch.setattr(launch, "venv_python", lambda: Path(launch.sys.executable))   # the environment exists
     monkeypatch.setattr(launch.subprocess, "run", lambda cmd: type("R", (), {"returncode": 1}))
