@@ -138,3 +138,18 @@ def test_buckets_share_graphs_except_one_and_across_kernel_edges():
     assert row_groups((1, 2, 4, 8, 16, 32), edges=(16,)) == [(1,), (2, 4, 8), (16, 32)]
     assert row_groups((1, 2, 4, 8), edges=(65,)) == [(1,), (2, 4, 8)]
     assert row_groups((4,)) == [(4,)] and row_groups((1,)) == [(1,)]
+
+
+def test_a_new_graphs_version_gets_a_new_folder(model, tmp_path, monkeypatch):
+    """Bumping GRAPHS_VERSION must move the graphs (it was overwritten by the kernel key's own
+    "version", so graphs compiled by older code were loaded as they were)."""
+    import core.service.factory as factory
+    from core.service.factory import EngineSpec
+
+    runner, _ = runner_and_drafter(model)
+    engine = SimpleNamespace(runner=runner, target=runner.target)
+    spec = EngineSpec(cache_dir=tmp_path)
+    first = factory.graph_folder(spec, engine, None)
+    assert factory.graph_folder(spec, engine, None) == first
+    monkeypatch.setattr(factory, "GRAPHS_VERSION", factory.GRAPHS_VERSION + 1)
+    assert factory.graph_folder(spec, engine, None) != first

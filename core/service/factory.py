@@ -35,7 +35,7 @@ from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
 STRATEGIES = ("auto", "eagle", "prompt_lookup", "plain")
-GRAPHS_VERSION = 2
+GRAPHS_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
     """Where a CPU's precompiled graphs for this engine live: one folder per everything a graph's
     code depends on (the machine, torch, the model's shapes and kernels, the head, the buckets)."""
     runner = engine.runner
-    key = {"version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
+    key = {"graphs_version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
            "quant": engine.target.quant, "dtype": str(engine.target.dtype),
            "kernels": {"edges": kernel_edges(kernels), "head": kernels.head} if kernels else None,
            "head": head_identity(spec.head) if runner.feature_layers else None,
