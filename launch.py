@@ -293,6 +293,9 @@ def run_generate(args: argparse.Namespace) -> None:
     from core.train.distill import FRESH_START, GenerateJob, compare_with_hf, distill
     from models.target import load_target
 
+    # A stop by SIGTERM (how a backgrounded run is stopped: it ignores SIGINT) unwinds like Ctrl-C,
+    # so the answers not yet in a shard are written before the process ends.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     job = GenerateJob(prompts=args.prompts, start=FRESH_START if args.start is None else args.start, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, prompt_cap=args.prompt_cap, batch=args.batch,
                       threads=args.threads, linear=args.linear, features=args.features, kinds=tuple(args.kinds))

@@ -9,8 +9,9 @@ which target (model, weights, generator kernels, torch, token caps) produced eve
 shard's sha256, so a reader can tell a torn or edited file. One folder holds one source: answers
 of another target or other prompts go into another folder.
 
-A shard is written whole (temporary file, then rename) every SHARD_ANSWERS answers, so a killed
-run loses at most the pending ones; a rerun skips every index already stored.
+A shard is written whole (temporary file, then rename) every SHARD_ANSWERS answers and at the
+end of a run, a stopped one included (`launch.py generate` turns SIGTERM into an exit), so only a
+hard kill loses answers, at most the pending ones; a rerun skips every index already stored.
 """
 
 import gzip
