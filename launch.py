@@ -247,7 +247,6 @@ def server_command(args: argparse.Namespace) -> list[str]:
 
 
 def run_train(args: argparse.Namespace) -> None:
-    from core.bench import load_prompts
     from core.errors import AerieError
     from core.train.loop import TrainConfig, train
     from core.text import render_prompt
@@ -258,8 +257,7 @@ def run_train(args: argparse.Namespace) -> None:
     if not answers:
         fail("--answers is needed with --model: pass distill jsonl files or answer stores (launch.py generate) "
              "of that model's answers.")
-    bench_prompts = ROOT / "assets" / "bench" / "mt_bench.jsonl"  # never trained on
-    exclude = tuple(p.text for p in load_prompts(bench_prompts, None)) if bench_prompts.is_file() else ()
+    exclude = benchmark_prompts()
     try:
         cfg = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                           batch_tokens=args.batch_tokens, noise=args.noise, weight_decay=args.weight_decay, ttt_steps=args.ttt_steps, init_layer=args.init_from_target,
@@ -277,14 +275,22 @@ def run_train(args: argparse.Namespace) -> None:
     print(json.dumps(summary))
 
 
+def benchmark_prompts() -> tuple[str, ...]:
+    """MT-bench's prompts, which the bench measures on: never generated for nor trained on."""
+    from core.bench import load_prompts
+
+    path = ROOT / "assets" / "bench" / "mt_bench.jsonl"
+    return tuple(p.text for p in load_prompts(path, None)) if path.is_file() else ()
+
+
 def default_answers(model: str | None) -> list[Path]:
     """What train reads without --answers: every answer store under data/answers made by this
-    model (core/train/distill.py store_name), and for the embedded model the shipped distill files."""
-    from core.train.answers import is_store
+    model, and for the embedded model the shipped distill files (where this checkout has them)."""
+    from core.train.answers import stores_of
+    from models.target import model_name
 
-    name = Path(model).name.lower() if model else "smollm2-135m-instruct"
-    stores = sorted(d for d in (ROOT / "data" / "answers").glob(f"{name}-*") if is_store(d))
-    return ([ROOT.parent / "shared" / "distill" / name] if model is None else []) + stores
+    shipped = ROOT.parent / "shared" / "distill" / model_name(None).lower()
+    return ([shipped] if model is None and shipped.is_dir() else []) + stores_of(ROOT / "data" / "answers", model_name(model))
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -298,7 +304,8 @@ def run_generate(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     job = GenerateJob(prompts=args.prompts, start=FRESH_START if args.start is None else args.start, limit=args.limit,
                       max_new_tokens=args.max_new_tokens, prompt_cap=args.prompt_cap, batch=args.batch,
-                      threads=args.threads, linear=args.linear, features=args.features, kinds=tuple(args.kinds))
+                      threads=args.threads, linear=args.linear, features=args.features, kinds=tuple(args.kinds),
+                      exclude=benchmark_prompts())
     if not job.prompts.is_file():
         fail(f"No prompts file at {job.prompts}.")
     try:

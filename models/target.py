@@ -57,6 +57,11 @@ class Target:
         return f"{self.name} · {self.device.type} · {self.quant if self.quant != 'none' else str(self.dtype).removeprefix('torch.')}"
 
 
+def model_name(model: str | None) -> str:
+    """What a model is called (the embedded one, or the last part of its Hub id or folder)."""
+    return EMBEDDED_NAME if model is None else model.rstrip("/").split("/")[-1]
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -182,8 +187,7 @@ def load_resolved(r: Resolved, gpu_weight_bytes: int | None = None) -> Target:
         raise ModelLoadError(f"Not enough GPU memory to load {r.model_dir.name}; try a smaller model.") from e
     except (OSError, ValueError, SafetensorError) as e:
         raise ModelLoadError(f"Could not load the model from {r.model_dir}: {(str(e).splitlines() or [type(e).__name__])[0]}") from e
-    name = EMBEDDED_NAME if r.spec.model is None else (r.spec.model.rstrip("/").split("/")[-1])
-    return Target(model=model, tokenizer=tokenizer, name=name, device=r.device, quant=r.quant, dtype=r.dtype,
+    return Target(model=model, tokenizer=tokenizer, name=model_name(r.spec.model), device=r.device, quant=r.quant, dtype=r.dtype,
                   context_len=int(r.config.get("max_position_embeddings") or 2048), eos_ids=eos_ids(model, tokenizer))
 
 

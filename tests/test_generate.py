@@ -12,7 +12,7 @@ import torch
 
 from core.runtime.cpu_linear import BATCHED_KINDS, fastest_batched_linear, use_onednn_linears
 from models.cpu_quant import OneDnnLinear
-from core.train.answers import SHARD_ANSWERS, AnswerStore, AnswerStoreError, read_answers
+from core.train.answers import SHARD_ANSWERS, AnswerStore, AnswerStoreError, read_answers, stores_of
 from core.train.distill import FRESH_START, FeatureShards, hf_generate, shuffled_prompts, write_answers
 from core.train.batch_gen import PAD_SHARE, BatchGenerator, Capture, GenConfig, choose_batch, prefill_groups
 from core.train.row_cache import ROW_GROUPS, bands, use_row_group_attention
@@ -212,6 +212,19 @@ def test_an_answer_store_refuses_another_source_a_damaged_shard_and_a_full_budge
     shard.write_bytes(shard.read_bytes()[:-1] + b"x")
     with pytest.raises(AnswerStoreError, match="differs from its manifest"):
         list(read_answers(folder))
+    (folder / "manifest.json").write_text("<<<<<<< HEAD\n")               # a merge conflict in git
+    with pytest.raises(AnswerStoreError, match="not valid JSON"):
+        AnswerStore(folder, SOURCE)
+
+
+def test_a_models_stores_are_found_by_their_manifest_not_a_name_prefix(tmp_path):
+    for folder, model in (("tiny-none-bf16", "tiny"), ("tiny-instruct-none-bf16", "tiny-instruct"), ("tiny-x", "tiny")):
+        store = AnswerStore(tmp_path / folder, {**SOURCE, "target": {**SOURCE["target"], "model": model}})
+        store.add(0, [1], [2])
+        store.flush()
+    (tmp_path / "tiny-empty").mkdir()                                     # no manifest: not a store
+    assert [p.name for p in stores_of(tmp_path, "Tiny")] == ["tiny-none-bf16", "tiny-x"]
+    assert stores_of(tmp_path / "missing", "tiny") == []
 
 
 def test_train_reads_answer_stores_and_drops_benchmark_prompts_by_their_ids(tmp_path):

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+import torch._inductor.config
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 RECOMPILE_LIMIT = 64  # graphs on one code object: every bucket of every runner and head a model switch builds

@@ -39,9 +39,12 @@ def read_manifest(folder: Path) -> dict | None:
     path = folder / MANIFEST
     if not path.is_file():
         return None
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise AnswerStoreError(f"{path} is not an {FORMAT} manifest (format {manifest.get('format')!r}).")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:   # e.g. a merge conflict's markers: the file is in git
+        raise AnswerStoreError(f"{path} is not valid JSON ({e}); restore it from git.") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not {"source", "shards"} <= manifest.keys():
+        raise AnswerStoreError(f"{path} is not an {FORMAT} manifest with a source and shards.")
     return manifest
 
 
@@ -95,13 +98,13 @@ class AnswerStore:
         name = f"answers-{min(r['index'] for r in self.pending):06d}-{digest[:12]}.jsonl.gz"
         self.folder.mkdir(parents=True, exist_ok=True)
         write_whole(self.folder / name, data)
-        self.shards.append({"file": name, "answers": len(self.pending), "sha256": digest,
-                            "answer_tokens": sum(len(r["answer_ids"]) for r in self.pending)})
-        manifest = {"format": FORMAT, "source": self.source, "shards": self.shards,
-                    "answers": sum(s["answers"] for s in self.shards),
-                    "answer_tokens": sum(s["answer_tokens"] for s in self.shards)}
+        shards = self.shards + [{"file": name, "answers": len(self.pending), "sha256": digest,
+                                 "answer_tokens": sum(len(r["answer_ids"]) for r in self.pending)}]
+        manifest = {"format": FORMAT, "source": self.source, "shards": shards,
+                    "answers": sum(s["answers"] for s in shards), "answer_tokens": sum(s["answer_tokens"] for s in shards)}
         write_whole(self.folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-        self.pending.clear()
+        # Only once the manifest lists the shard: an interrupt before this leaves the answers pending.
+        self.shards, self.pending = shards, []
 
     def check_budget(self, more: int) -> None:
         if self.budget is None:
@@ -118,3 +121,12 @@ def write_whole(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def stores_of(root: Path, model: str) -> list[Path]:
+    """The answer stores under `root` whose answers the model called `model` gave (by manifest,
+    not by folder name: one model's name can begin another's)."""
+    if not root.is_dir():
+        return []
+    return [d for d in sorted(root.iterdir())
+            if is_store(d) and read_manifest(d)["source"]["target"]["model"] == model.lower()]

@@ -26,7 +26,7 @@ from core.runtime.cpu_linear import fastest_batched_linear, use_onednn_linears
 from models.cpu_quant import OneDnnLinear
 from core.train.batch_gen import Answer, BatchGenerator, Capture, GenConfig, choose_batch
 from core.train.row_cache import use_row_group_attention
-from core.train.data import GENERATED, TEACHER_TOPK, Conversation, shard_tensors, signature, write_shard
+from core.train.data import GENERATED, PREFIX_CHARS, TEACHER_TOPK, Conversation, shard_tensors, signature, write_shard
 from models.heads import feature_layers
 from models.target import Target
 
@@ -96,10 +96,12 @@ def write_answers(generator: BatchGenerator, tokenizer, prompts: dict[int, str],
                 tokens += len(answer.answer_ids)
                 bar.update(1)
                 bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0):.0f} tok/s")
-        finally:  # a stopped run keeps what finished
-            store.flush()
-            if shards is not None:
-                shards.flush()
+        finally:  # a stopped run keeps what finished (the features too, should the store refuse its last shard)
+            try:
+                store.flush()
+            finally:
+                if shards is not None:
+                    shards.flush()
     seconds = time.perf_counter() - t0
     return {"already_answered": len(prompts) - len(todo), "over_prompt_cap": len(todo) - len(keep),
             "answered": len(keep), "answer_tokens": tokens, "seconds": round(seconds, 1),
@@ -120,6 +122,7 @@ class GenerateJob:
     linear: str = "auto"            # a key of LINEAR_KINDS, or "auto": whichever times fastest
     features: Path | None = None    # keep features for training heads of `kinds` here (train --features)
     kinds: tuple[str, ...] = ("eagle1",)
+    exclude: tuple[str, ...] = ()   # benchmark prompts: never answered for training (matched as train matches them)
 
 
 def prepare(target: Target, job: GenerateJob) -> BatchGenerator:
@@ -158,20 +161,22 @@ def distill(target: Target, job: GenerateJob, out: Path | None, answers_root: Pa
     """Store the target's greedy answers in `out`, or by default in answers_root/<store_name>
     (resumable; answers_root's files kept within `budget` bytes); a summary for the last line."""
     gen = prepare(target, job)
-    texts = shuffled_prompts(job.prompts, job.start, job.limit)
+    banned = {t.strip()[:PREFIX_CHARS] for t in job.exclude}
+    texts = {i: t for i, t in enumerate(shuffled_prompts(job.prompts, job.start, job.limit), job.start)
+             if t.strip()[:PREFIX_CHARS] not in banned}
     capture = gen.cfg.capture  # set by prepare when job.features is given
     shards = FeatureShards(job.features, capture.layers, signature(target, capture.topk)) if capture else None
     source = {"target": target_record(target, job, describe(gen)["linear"]), "prompts": prompts_record(job.prompts)}
     folder = out or answers_root / store_name(source["target"])
     limit = (answers_root, budget) if budget is not None and folder.resolve().is_relative_to(answers_root.resolve()) else None
     store = AnswerStore(folder, source, limit)
-    summary = write_answers(gen, target.tokenizer, dict(enumerate(texts, job.start)), store, job.prompt_cap, shards=shards)
+    summary = write_answers(gen, target.tokenizer, texts, store, job.prompt_cap, shards=shards)
     return {**summary, **describe(gen), "store": str(folder)}
 
 
 def target_record(target: Target, job: GenerateJob, linear: str) -> dict:
     """What produced a store's answers: the model, its weights, the generator's matmuls, the caps."""
-    return {"model": Path(str(target.model.config.name_or_path)).name.lower(), "quant": target.quant,
+    return {"model": target.name.lower(), "quant": target.quant,
             "linear": linear, "decoding": "greedy", "max_new_tokens": job.max_new_tokens, "prompt_cap": job.prompt_cap}
 
 

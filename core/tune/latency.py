@@ -146,17 +146,20 @@ def cached_profile(cache_dir: Path, key: dict, measure, check=None) -> tuple[Lat
 
 CHECK_SIZES = (1, 2, 4)    # the trees a CPU's tuner picks most: what a stored profile must still get right
 CHECK_TOLERANCE = 0.15
+CHECK_BUDGET_MS = 2000
 
 
 @torch.inference_mode()
 def profile_mismatch(engine, profile: LatencyProfile) -> str | None:
     """Why `profile` no longer describes this engine, or None. It times the rounds of CHECK_SIZES
-    (about 0.3 s on a 2-core CPU) and compares each one's cost relative to a 1-token round with the
+    (about 0.3 s for the embedded model on a 2-core CPU) and compares each one's cost relative to a 1-token round with the
     profile's: a machine uniformly busier or quieter than when profiled is fine (the meter rescales
     by the measured load), a different shape (trees dearer or cheaper relative to plain decoding)
     is not."""
     sizes = tuple(n for n in CHECK_SIZES if n in profile.sizes)
-    if len(sizes) < 2:
+    # About 4 * (REPEATS + 1) rounds: skipped where that would hold a start up for seconds (a big
+    # or offloaded model), whose profile is then trusted as before.
+    if len(sizes) < 2 or 4 * (REPEATS + 1) * profile.round(sizes[-1], SHORT_CONTEXT) > CHECK_BUDGET_MS:
         return None
     ids = torch.randint(0, engine.target.model.config.get_text_config().vocab_size, (SHORT_CONTEXT + max(sizes),),
                         generator=torch.Generator().manual_seed(0)).tolist()
