@@ -17,9 +17,10 @@ hard kill loses answers, at most the pending ones; a rerun skips every index alr
 import gzip
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Iterator
+
+from core.files import write_whole
 
 FORMAT = "aerie-answers-1"
 MANIFEST = "manifest.json"
@@ -114,13 +115,6 @@ class AnswerStore:
         if used + more > limit:
             raise AnswerStoreError(f"{root} would hold {(used + more) / 2**20:.1f} MB, past its {limit / 2**20:.0f} MB "
                                    f"budget; {len(self.pending)} answers not kept: write more elsewhere (--out).")
-
-
-def write_whole(path: Path, data: bytes) -> None:
-    """Write `data` to `path` whole or not at all (a temporary file renamed over it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def stores_of(root: Path, model: str) -> list[Path]:

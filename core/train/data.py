@@ -22,7 +22,6 @@ This module knows nothing about heads or losses; of the target it uses the decod
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from core.files import written_whole
 from core.train.answers import AnswerStoreError, is_store, read_answers
 from models.errors import AerieError
 from models.target import Target
@@ -190,10 +190,9 @@ def shard_tensors(convs: list[Conversation], rows: list[dict]) -> dict:
 
 
 def write_shard(path: Path, tensors: dict, layers: tuple[int, ...], signature: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata={"layers": json.dumps(list(layers)), "signature": signature})
-    os.replace(tmp, path)  # atomic: a killed capture leaves no half shard under the final name
+    with written_whole(path) as tmp:  # a killed capture leaves no half shard under the final name
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"layers": json.dumps(list(layers)), "signature": signature})
 
 
 def signature(target: Target, topk: int) -> str:

@@ -15,7 +15,6 @@ checkpoint holds head, optimizer, noise RNG and the position in the epoch.
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from core.files import written_whole
 from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_conversations,
                              load_features, make_batch, split)
 from core.train.losses import DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head, unroll, warm_start
@@ -171,9 +171,8 @@ def save_checkpoint(path: Path, head: EagleHead, opt, rng: torch.Generator, prog
                     cfg: TrainConfig, data_id: list[str]) -> None:
     state = {"head": head.state_dict(), "optimizer": opt.state_dict(), "noise_rng": rng.get_state(),
              "progress": asdict(progress), "config": result_config(cfg), "data": data_id}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a kill during the save keeps the previous checkpoint
+    with written_whole(path) as tmp:  # a kill during the save keeps the previous checkpoint
+        torch.save(state, tmp)
 
 
 def load_checkpoint(path: Path, head: EagleHead, opt, rng: torch.Generator, cfg: TrainConfig,

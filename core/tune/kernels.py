@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from core.files import write_whole
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.tree import chain_tree
 from models.cpu_quant import TWINS, Int4Linear
@@ -105,9 +106,7 @@ def cached_choice(cache_dir: Path, key: dict, measure) -> tuple[KernelChoice, bo
             print(f"Aerie: re-measuring kernels: {path} is unreadable ({e}).", flush=True)
     choice = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "choice": asdict(choice)}, indent=1))
-    tmp.replace(path)
+    write_whole(path, json.dumps({"key": key, "choice": asdict(choice)}, indent=1).encode())
     return choice, False
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from core.config import SamplingConfig, TreeConfig
+from core.files import write_whole
 from core.spec.eagle import EagleDrafter
 from core.spec.tree import chain_tree, rerank
 
@@ -138,9 +139,7 @@ def cached_profile(cache_dir: Path, key: dict, measure, check=None) -> tuple[Lat
         print("Aerie: timing this machine for the draft-tree tuner (once; cached for later starts)...", flush=True)
     profile = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "profile": profile.to_json()}, indent=1))
-    tmp.replace(path)
+    write_whole(path, json.dumps({"key": key, "profile": profile.to_json()}, indent=1).encode())
     return profile, False
 
 
