@@ -56,7 +56,10 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
         right[i] = right[parents[i]] and tokens[i] == target_next[parents[i]]
         if right[i] and depth[i] > depth[last]:
             last = i
-    return replace(_along_path(tree, last, target_next[last]), margins=margins)
+    path = [last]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    return replace(_along_path(tree, path[::-1], target_next[last]), margins=margins)
 
 
 def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None) -> Acceptance:
@@ -98,16 +101,11 @@ def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Gener
     # Rounding can reject a token that held all the remaining mass (a probability-0 event in exact
     # arithmetic); then draw from the row rather than fail on an all-zero residual.
     residual = torch.where(residual.sum() > 0, residual, row)
-    return _along_path(tree, node, int(sample(residual, generator)), path)
+    return _along_path(tree, path, int(sample(residual, generator)))
 
 
-def _along_path(tree: DraftTree, last: int, bonus: int, path: list[int] | None = None) -> Acceptance:
-    """The root-to-`last` path and its tokens, then the bonus token."""
-    if path is None:
-        parents, path = tree.parents.tolist(), [last]
-        while path[-1] > 0:
-            path.append(parents[path[-1]])
-        path.reverse()
+def _along_path(tree: DraftTree, path: list[int], bonus: int) -> Acceptance:
+    """The root-first `path` of nodes and its tokens, then the bonus token."""
     tokens = tree.tokens.tolist()
     nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
     return Acceptance(nodes=nodes, new_tokens=[*(tokens[i] for i in path[1:]), bonus])
