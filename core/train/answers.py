@@ -5,7 +5,7 @@ lost with it. An `AnswerStore` keeps them as a folder of gzip'd JSON-lines shard
 answer: {"index": i, "prompt_ids": [...], "answer_ids": [...]} (i: the prompt's place in the
 shuffled prompt file), ~1.3 bytes per answer token. No features: `launch.py train` captures those
 itself. The folder's `manifest.json` says which prompts (file, its sha256, the shuffle seed) and
-which target (model, weights, generator kernels, torch, token caps) produced every shard, and each
+which target (model, weights, the generator's matmul kind, token caps) produced every shard, and each
 shard's sha256, so a reader can tell a torn or edited file. One folder holds one source: answers
 of another target or other prompts go into another folder.
 
@@ -61,9 +61,10 @@ def read_answers(folder: Path) -> Iterator[tuple[str, dict]]:
         raise AnswerStoreError(f"{folder} has no {MANIFEST}: not an answer store.")
     for shard in manifest["shards"]:
         path = folder / shard["file"]
-        if not path.is_file() or file_sha256(path) != shard["sha256"]:
+        data = path.read_bytes() if path.is_file() else None
+        if data is None or hashlib.sha256(data).hexdigest() != shard["sha256"]:
             raise AnswerStoreError(f"{path} is missing or differs from its manifest entry (sha256).")
-        for n, line in enumerate(gzip.decompress(path.read_bytes()).decode().splitlines(), 1):
+        for n, line in enumerate(gzip.decompress(data).decode().splitlines(), 1):
             yield f"{path}:{n}", json.loads(line)
 
 
