@@ -160,8 +160,7 @@ def profile_mismatch(engine, profile: LatencyProfile) -> str | None:
     # or offloaded model), whose profile is then trusted as before.
     if len(sizes) < 2 or 4 * (REPEATS + 1) * profile.round(sizes[-1], SHORT_CONTEXT) > CHECK_BUDGET_MS:
         return None
-    ids = torch.randint(0, engine.target.model.config.get_text_config().vocab_size, (SHORT_CONTEXT + max(sizes),),
-                        generator=torch.Generator().manual_seed(0)).tolist()
+    ids = arbitrary_ids(engine, SHORT_CONTEXT + max(sizes))
     measured = monotone(rounds(engine, ids, SHORT_CONTEXT, sizes))
     engine.reset()
     return shape_mismatch(sizes, measured, [profile.round(n, SHORT_CONTEXT) for n in sizes])
@@ -184,8 +183,7 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
     the engine reset. Token ids are arbitrary: cost does not depend on them."""
     t0 = time.perf_counter()
     long_ = max(SHORT_CONTEXT + 1, min(LONG_CONTEXT, engine.context_len - max(sizes) - 1))
-    ids = torch.randint(0, engine.target.model.config.get_text_config().vocab_size, (long_ + max(sizes),),
-                        generator=torch.Generator().manual_seed(0)).tolist()
+    ids = arbitrary_ids(engine, long_ + max(sizes))
     short_ms = monotone(rounds(engine, ids, SHORT_CONTEXT, sizes))
     slope_sizes = tuple(n for n in sizes if n in SLOPE_SIZES) or sizes[:1]
     long_ms = rounds(engine, ids, long_, slope_sizes)
@@ -205,6 +203,12 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
     return LatencyProfile(tuple(sizes), short_ms, (SHORT_CONTEXT, long_), slope_sizes, slopes, widths, head_ms,
                           rerank_ms, time.perf_counter() - t0, engine.runner.buckets,  # eager or not, verifies pad to them
                           fixed, level)
+
+
+def arbitrary_ids(engine, n: int) -> list[int]:
+    """n token ids, the same every time: a round's cost does not depend on them."""
+    vocab = engine.target.model.config.get_text_config().vocab_size
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def monotone(costs: list[float]) -> tuple[float, ...]:
