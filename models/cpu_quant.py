@@ -27,6 +27,7 @@ Xeon with AMX: int4 5.7 ms, fp32 twin 2.9, bf16x3 1.4). 6 bytes per weight: for 
 import torch
 from torch import nn
 
+from models.amx import pack as amx_pack
 from models.quants import CPU_QUANTS
 
 GROUP = 32
@@ -64,19 +65,37 @@ class Int4Linear(nn.Module):
         self.wide_from: int | None = None                          # rows from which `wide` computes
         self.wide_kind = "fp32"                                      # which of TWINS `wide` holds
         self.register_buffer("wide", None)                          # the same weights, fp32, packed for oneDNN
+        for name in ("amx_codes", "amx_d", "amx_z"):                 # the same weights for the AMX kernel (use_amx)
+            self.register_buffer(name, None)
         if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice)
             self.weight = linear.weight
 
-    def dequantized(self) -> torch.Tensor:
-        """(N, K) fp32: the weight values the kernel computes with. The codes come back exactly
-        through the kernel itself: with scale 1 and zero 8 it computes (q - 8) + 8 = q, and an
-        identity input reads them out (integers up to 15 are exact in bf16)."""
+    def codes(self) -> torch.Tensor:
+        """(N, K) the 4-bit codes q, read back exactly through the kernel itself: with scale 1 and
+        zero 8 it computes (q - 8) + 8 = q, and an identity input reads them out (integers up to 15
+        are exact in bf16)."""
         k, n = self.in_features, self.out_features
         groups = self.scale_zero.shape[0]
         unit = torch.stack([torch.ones(groups, n), torch.full((groups, n), 8.0)], -1).bfloat16()
         codes = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), self.packed, GROUP, unit)
+        return codes.float().t().round().to(torch.uint8)
+
+    def dequantized(self) -> torch.Tensor:
+        """(N, K) fp32: the weight values the kernel computes with."""
         scale, zero = (self.scale_zero[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))  # (N, K)
-        return (codes.float().t() - 8) * scale + zero
+        return (self.codes().float() - 8) * scale + zero
+
+    def use_amx(self) -> None:
+        """Compute every call on the AMX kernel (models/amx.py, loaded first) from the same codes,
+        scales and zeros: the same weight values; where a shape does not suit it (K a multiple of
+        64, N of 16), raise ValueError."""
+        if self.in_features % 64 or self.out_features % 16:
+            raise ValueError(f"a {self.in_features}x{self.out_features} linear does not fit the AMX kernel's tiles")
+        packed = amx_pack(self.codes(), self.scale_zero[..., 0], self.scale_zero[..., 1])
+        self.amx_codes, self.amx_d, self.amx_z = packed.codes, packed.d, packed.z
+
+    def use_int4(self) -> None:
+        self.amx_codes = self.amx_d = self.amx_z = None
 
     def widen(self, from_rows: int, kind: str = "fp32", pack_rows: int = 32) -> None:
         """Compute calls of `from_rows` rows or more on oneDNN over `dequantized()`: its fp32
@@ -95,6 +114,8 @@ class Int4Linear(nn.Module):
         # A compiled graph's rows are fixed or within a range no kernel switch splits: one kernel per graph.
         if self.wide_from is not None and rows.shape[0] >= self.wide_from:
             y = onednn_matmul(rows, self.wide, self.out_features, self.wide_kind).to(torch.bfloat16)
+        elif self.amx_codes is not None:
+            y = torch.ops.aerie_amx.q41_mm(rows, self.amx_codes, self.amx_d, self.amx_z, self.out_features)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

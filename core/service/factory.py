@@ -22,12 +22,15 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
-from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice, choose_head_weights,
-                               choose_prefill, choose_wide_from, kernel_edges, machine_key, time_draft_steps, twin_fits)
+from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_target_kernel, apply_wide, cached_choice,
+                               choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, kernel_edges,
+                               machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
                                profile_mismatch)
 from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
+from models.amx import AmxUnavailable
+from models.amx import source_digest as amx_source_digest
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
 from models.head_config import head_config_for_target
 from models.heads import build_head
@@ -197,7 +200,7 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
     runner = engine.runner
     key = {"graphs_version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
            "quant": engine.target.quant, "dtype": str(engine.target.dtype),
-           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head} if kernels else None,
+           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "target": kernels.target} if kernels else None,
            "head": head_identity(spec.head) if runner.feature_layers else None,
            "buckets": list(runner.buckets), "capacity": runner.capacity, "features": runner.feature_layers}
     folder = spec.cache_dir / "graphs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -210,10 +213,11 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
     """This machine's kernel choice for `target` (core/tune/kernels.py), measured once and cached, and
     the target's int4 layers set up for it (for verifies only, without `prefills`)."""
     key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
-           "head": head_identity(spec.head) if strategy == "eagle" else None}
+           "head": head_identity(spec.head) if strategy == "eagle" else None, "amx_kernel": amx_source_digest()}
 
     def measure() -> KernelChoice:
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
+        kernel, kernel_ms = choose_target_kernel(target, spec.cache_dir, report) if target.quant == "int4" else ("int4", {})
         trees = (choose_wide_from(target) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
         prefill, prefill_ms = (choose_prefill(target, psutil.virtual_memory().available) if target.quant == "int4"
@@ -221,9 +225,16 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
         head, head_ms = "int8", {}
         if strategy == "eagle":
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)))
-        return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms)
+        return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms,
+                            kernel, kernel_ms)
 
-    choice, _ = cached_choice(spec.cache_dir, key, measure)
+    choice, cached = cached_choice(spec.cache_dir, key, measure)
+    if cached:
+        try:
+            apply_target_kernel(target, choice, spec.cache_dir)
+        except AmxUnavailable as e:   # chosen here once, gone now (a compiler removed): say so, run int4
+            report(f"Aerie: the AMX kernel chosen for this machine cannot load ({e}); the target runs on int4.")
+            choice = replace(choice, target="int4")
     apply_wide(target, choice, prefills)
     return choice
 

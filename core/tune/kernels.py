@@ -32,6 +32,7 @@ import torch
 from core.files import write_whole
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.tree import chain_tree
+from models import amx
 from models.cpu_quant import TWINS, Int4Linear
 from models.target import Target
 
@@ -44,7 +45,8 @@ PAYING_TOKENS = 3.0
 HEAD_WEIGHTS = ("int8", "int4", "bf16")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
-VERSION = 3
+VERSION = 4
+TARGET_ROWS = (1, 4, 16)      # verify sizes timed on torch's int4 kernel against the AMX one
 PREFILL_ROWS = 512             # one prefill chunk (core/runtime/runner.py PREFILL_CHUNK)
 PREFILL_FROM = max(WIDE_ROWS) + 1   # a prefill's twin serves calls past every verify bucket
 TWIN_BYTES = {"fp32": 4, "bf16x3": 6}   # per weight
@@ -59,10 +61,15 @@ class KernelChoice:
     verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies (1: int4)
     head_ms: dict = field(default_factory=dict)      # head weights -> ms of a head step at 4 rows
     prefill_ms: dict = field(default_factory=dict)   # kernel -> ms of a 512-token eager prefill
+    # The target's int4 layers at every size: torch's int4 kernel or the AMX one (models/amx.py), the
+    # same weight values either way. verify_ms' and prefill_ms' "int4" entries were timed on it.
+    target: str = "int4"
+    target_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "amx": ms}, eager verifies
 
     def describe(self) -> str:
         wide = f"int4, fp32 twin from {self.wide_from} rows" if self.wide_from else "int4 at every size"
         prefill = "" if self.prefill == "int4" or self.wide_from else f", prefill on the {self.prefill} twin"
+        wide = wide.replace("int4", "AMX 4-bit", 1) if self.target == "amx" else wide
         return f"target {wide}, trees up to {self.largest}{prefill}; head {self.head}"
 
 
@@ -124,34 +131,81 @@ class TreeKernels:
     verify_ms: dict             # rows -> {"int4": ms, "wide": ms}; "1" -> {"int4": ms}
 
 
-@torch.inference_mode()
-def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> TreeKernels:
-    """Time eager verifies of 1 token (int4) and of `rows` tokens with every int4 layer on its
-    kernel and on its fp32 twin, interleaved (a burst of load lands on both alike), best of
-    REPEATS; -> where the twin wins and how big a tree can pay. Leaves every layer on int4 and
-    drops the twins."""
-    layers = int4_layers(target)
-    for layer in layers:
-        layer.widen(from_rows=1)
-    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, *rows), context=256))
+def time_verifies(target: Target, kernels: dict, setup) -> dict:
+    """kernels: rows -> the kernel names to time a verify of that many tokens on; setup(name)
+    puts the target's layers on one. Eager verifies after a 128-token prefill, each size's kernels
+    interleaved (a burst of load lands on all alike), best of REPEATS after a warm-up pass;
+    -> rows -> {name: ms}."""
+    rows = tuple(kernels)
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=tuple(sorted({1, *rows})), context=256))
     ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (128 + max(rows),),
                         generator=torch.Generator().manual_seed(0)).tolist()
     runner.prefill(ids[:128], 0)
-    best = {n: {"int4": float("inf")} if n == 1 else {"int4": float("inf"), "wide": float("inf")} for n in (1, *rows)}
+    best = {n: {name: float("inf") for name in names} for n, names in kernels.items()}
     for rep in range(REPEATS + 1):                       # pass 0 warms up
-        for n, kernels in best.items():
+        for n, names in best.items():
             tree = chain_tree(ids[128], ids[129: 128 + n])
-            for kernel in kernels:
-                for layer in layers:
-                    layer.wide_from = 1 if kernel == "wide" else None
+            for name in names:
+                setup(name)
                 t0 = time.perf_counter()
                 runner.verify(tree.tokens, tree.depth, tree.ancestor_mask)
                 ms = 1000 * (time.perf_counter() - t0)
                 runner.truncate(128)
-                kernels[kernel] = min(kernels[kernel], ms) if rep else kernels[kernel]
+                names[name] = min(names[name], ms) if rep else names[name]
+    return best
+
+
+@torch.inference_mode()
+def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> TreeKernels:
+    """Time eager verifies of 1 token and of `rows` tokens with every int4 layer on its kernel
+    ("int4": torch's or the AMX one, as set) and on its fp32 twin; -> where the twin wins and how
+    big a tree can pay. Leaves every layer on its kernel and drops the twins."""
+    layers = int4_layers(target)
+    for layer in layers:
+        layer.widen(from_rows=1)
+
+    def setup(kernel: str) -> None:
+        for layer in layers:
+            layer.wide_from = 1 if kernel == "wide" else None
+    best = time_verifies(target, {1: ("int4",), **{n: ("int4", "wide") for n in rows}}, setup)
     for layer in layers:
         layer.narrow()
     return pick_tree_kernels(best, rows)
+
+
+@torch.inference_mode()
+def choose_target_kernel(target: Target, cache_dir: Path, report=print) -> tuple[str, dict]:
+    """torch's int4 kernel or the AMX one (models/amx.py) for the target's int4 layers, by eager
+    verifies of TARGET_ROWS tokens on each: AMX where its 1-token verify costs at most 5% more
+    (plain decoding) and its 4-token one saves 10% (trees). -> (kernel, timings); leaves the
+    layers on the chosen one. Says why where AMX cannot run."""
+    try:
+        amx.load(cache_dir)
+        layers = int4_layers(target)
+        for layer in layers:
+            layer.use_amx()
+    except (amx.AmxUnavailable, ValueError) as e:
+        report(f"Aerie: the target's linears run on torch's int4 kernel: no AMX kernel here ({e}).")
+        return "int4", {}
+    packs = [(layer.amx_codes, layer.amx_d, layer.amx_z) for layer in layers]
+
+    def setup(kernel: str) -> None:
+        for layer, (codes, d, z) in zip(layers, packs):
+            layer.amx_codes, layer.amx_d, layer.amx_z = (codes, d, z) if kernel == "amx" else (None, None, None)
+    best = time_verifies(target, {n: ("int4", "amx") for n in TARGET_ROWS}, setup)
+    ms = {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
+    wins = best[1]["amx"] <= 1.05 * best[1]["int4"] and best[4]["amx"] < WIN * best[4]["int4"]
+    setup("amx" if wins else "int4")
+    return ("amx" if wins else "int4"), ms
+
+
+def apply_target_kernel(target: Target, choice: KernelChoice, cache_dir: Path) -> None:
+    """Put the target's int4 layers on the kernel `choice` names (raises AmxUnavailable where AMX
+    was chosen on this machine once and cannot be loaded now)."""
+    if choice.target == "amx":
+        amx.load(cache_dir)
+        for layer in int4_layers(target):
+            layer.use_amx()
 
 
 def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:

@@ -1,0 +1,86 @@
+"""The AMX 4-bit kernel (models/amx.py): the int4 layers' own weight values, each row computed
+alone (a tree's rows get what one row at a time gets, bit for bit), and greedy EAGLE on it equal
+to plain decoding on it. Skipped where the CPU has no AMX or the kernel cannot be built."""
+
+import pytest
+import torch
+
+from core.config import TreeConfig
+from core.engine import Engine
+from core.runtime.runner import RunnerConfig, TargetRunner
+from core.spec.eagle import EagleDrafter
+from core.tune.kernels import KernelChoice, apply_target_kernel, choose_target_kernel, int4_layers
+from models import amx
+from models.cpu_quant import Int4Linear
+from tests.conftest import random_head
+from tests.test_kernels import greedy_run, int4_target
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("amx")
+    try:
+        amx.load(folder)
+    except amx.AmxUnavailable as e:
+        pytest.skip(f"no AMX kernel here: {e}")
+    return folder
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (576, 1536), (1536, 576)])
+def test_amx_computes_the_int4_layers_weights_row_by_row(kernel_dir, shape):
+    k, n = shape
+    torch.manual_seed(0)
+    layer = Int4Linear(torch.nn.Linear(k, n, bias=False))
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(1))
+    exact = x.bfloat16().double() @ layer.dequantized().double().t()          # the values int4 computes with
+    int4 = layer(x)
+    layer.use_amx()
+    y = layer(x)
+    assert y.dtype == torch.float32
+    scale = exact.abs().max().item()
+    assert (y.double() - exact).abs().max().item() < 1e-5 * scale     # fp32 sums of exact products
+    assert (int4.double() - exact).abs().max().item() < 1e-2 * scale  # int4's output is bf16
+    for rows in (slice(3, 4), slice(0, 16), slice(16, 37), slice(5, 9)):   # any row count, blocks of 16 crossed
+        assert torch.equal(layer(x[rows]), y[rows])
+    layer.use_int4()
+    assert torch.equal(layer(x), int4)
+
+
+def test_amx_refuses_shapes_its_tiles_do_not_fit(kernel_dir):
+    with pytest.raises(ValueError, match="tiles"):
+        Int4Linear(torch.nn.Linear(96, 32, bias=False)).use_amx()
+
+
+def test_tree_logits_on_amx_equal_one_token_at_a_time_bit_for_bit(kernel_dir):
+    target = int4_target(seed=2)
+    apply_target_kernel(target, KernelChoice(target="amx"), kernel_dir)
+    assert all(layer.amx_codes is not None for layer in int4_layers(target))
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8)))
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner.prefill(ids[:16], 0)
+    rows = []
+    for t in ids[16:]:
+        rows.append(runner.verify(torch.tensor([t]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)).logits)
+        runner.commit(torch.tensor([0]), [t])
+    runner.truncate(16)
+    tree = runner.verify(torch.tensor(ids[16:]), torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril()).logits
+    assert torch.equal(tree, torch.cat(rows))
+
+
+def test_greedy_eagle_on_amx_equals_plain_on_amx(kernel_dir):
+    target = int4_target()
+    apply_target_kernel(target, KernelChoice(target="amx"), kernel_dir)
+    prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    plain, _ = greedy_run(Engine(target), prompt)
+    for shape in (TreeConfig(1, 2, 4), TreeConfig(3, 4, 16)):
+        drafter = EagleDrafter(random_head(target.model, "eagle1", 3), 3, shape)
+        runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 2, 4, 8, 16)), drafter.feature_layers)
+        assert greedy_run(Engine(target, drafter, runner), prompt)[0] == plain
+
+
+def test_choose_target_kernel_times_both_and_leaves_the_layers_on_its_choice(kernel_dir):
+    target = int4_target()
+    kernel, ms = choose_target_kernel(target, kernel_dir, report=lambda line: None)
+    assert kernel in ("int4", "amx") and set(ms) == {"1", "4", "16"}
+    assert all(set(v) == {"int4", "amx"} and min(v.values()) > 0 for v in ms.values())
+    assert all((layer.amx_codes is not None) == (kernel == "amx") for layer in int4_layers(target))
