@@ -47,7 +47,10 @@ def _compile(out: Path) -> None:
     command = ["g++", "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw",
                "-mavx512bf16", "-mavx512vl", abi, *includes, str(SOURCE), "-o", str(out) + ".tmp", *libs,
                "-lc10", "-ltorch_cpu"]
-    done = subprocess.run(command, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+    except FileNotFoundError as e:
+        raise AmxUnavailable("no C++ compiler (g++) to build it") from e
     if done.returncode != 0:
         raise AmxUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-600:]}")
     Path(str(out) + ".tmp").replace(out)
