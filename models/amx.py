@@ -17,6 +17,7 @@ the compiled graphs need anyway) and loaded as the op `torch.ops.aerie_amx.q41_m
 import hashlib
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,15 +29,6 @@ FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512bw")
 
 class AmxUnavailable(RuntimeError):
     """This machine cannot run the AMX kernel; the message says why."""
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError as e:
-        raise AmxUnavailable(f"cannot read the CPU's flags ({e})") from e
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 def _compile(out: Path) -> None:
@@ -64,13 +56,14 @@ def source_digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
 
 
-def load(cache_dir: Path) -> None:
+def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_amx.q41_mm` available: compile the kernel once into `cache_dir`
-    (keyed by its source and torch's version), then load it. Raises AmxUnavailable with the reason
-    where the CPU lacks AMX, the platform is not Linux, or compiling fails."""
+    (keyed by its source and torch's version), then load it. `cpu_flags`: the CPU's, as
+    /proc/cpuinfo lists them. Raises AmxUnavailable with the reason where the CPU lacks AMX, the
+    platform is not Linux, or compiling fails."""
     if not sys.platform.startswith("linux"):
         raise AmxUnavailable("the AMX kernel is built for Linux only")
-    missing = [f for f in FLAGS if f not in cpu_flags()]
+    missing = [f for f in FLAGS if f not in set(cpu_flags)]
     if missing:
         raise AmxUnavailable(f"this CPU lacks {', '.join(missing)}")
     library = Path(cache_dir) / "kernels" / f"q41_amx-{source_digest()}.so"

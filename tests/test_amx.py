@@ -9,7 +9,7 @@ from core.config import TreeConfig
 from core.engine import Engine
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.eagle import EagleDrafter
-from core.tune.kernels import KernelChoice, apply_target_kernel, choose_target_kernel, int4_layers
+from core.tune.kernels import KernelChoice, apply_target_kernel, choose_target_kernel, cpu_flags, int4_layers
 from models import amx
 from models.cpu_quant import Int4Linear
 from tests.conftest import random_head
@@ -20,7 +20,7 @@ from tests.test_kernels import greedy_run, int4_target
 def kernel_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("amx")
     try:
-        amx.load(folder)
+        amx.load(folder, cpu_flags())
     except amx.AmxUnavailable as e:
         pytest.skip(f"no AMX kernel here: {e}")
     return folder

@@ -67,9 +67,9 @@ class KernelChoice:
     target_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "amx": ms}, eager verifies
 
     def describe(self) -> str:
-        wide = f"int4, fp32 twin from {self.wide_from} rows" if self.wide_from else "int4 at every size"
+        kernel = "AMX 4-bit" if self.target == "amx" else "int4"
+        wide = f"{kernel}, fp32 twin from {self.wide_from} rows" if self.wide_from else f"{kernel} at every size"
         prefill = "" if self.prefill == "int4" or self.wide_from else f", prefill on the {self.prefill} twin"
-        wide = wide.replace("int4", "AMX 4-bit", 1) if self.target == "amx" else wide
         return f"target {wide}, trees up to {self.largest}{prefill}; head {self.head}"
 
 
@@ -180,7 +180,7 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print) -> tuple
     (plain decoding) and its 4-token one saves 10% (trees). -> (kernel, timings); leaves the
     layers on the chosen one. Says why where AMX cannot run."""
     try:
-        amx.load(cache_dir)
+        amx.load(cache_dir, cpu_flags())
         layers = int4_layers(target)
         for layer in layers:
             layer.use_amx()
@@ -203,7 +203,7 @@ def apply_target_kernel(target: Target, choice: KernelChoice, cache_dir: Path) -
     """Put the target's int4 layers on the kernel `choice` names (raises AmxUnavailable where AMX
     was chosen on this machine once and cannot be loaded now)."""
     if choice.target == "amx":
-        amx.load(cache_dir)
+        amx.load(cache_dir, cpu_flags())
         for layer in int4_layers(target):
             layer.use_amx()
 
