@@ -2,8 +2,11 @@
 alone (a tree's rows get what one row at a time gets, bit for bit), and greedy EAGLE on it equal
 to plain decoding on it. Skipped where the CPU has no AMX or the kernel cannot be built."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.config import TreeConfig
 from core.engine import Engine
@@ -11,8 +14,8 @@ from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.eagle import EagleDrafter
 from core.tune.kernels import KernelChoice, apply_target_kernel, choose_target_kernel, cpu_flags, int4_layers
 from models import amx
-from models.cpu_quant import Int4Linear
-from tests.conftest import random_head
+from models.cpu_quant import Int4Linear, quantize_cpu
+from tests.conftest import random_head, tiny_target
 from tests.test_kernels import greedy_run, int4_target
 
 
@@ -84,3 +87,16 @@ def test_choose_target_kernel_times_both_and_leaves_the_layers_on_its_choice(ker
     assert kernel in ("int4", "amx") and set(ms) == {"1", "4", "16"}
     assert all(set(v) == {"int4", "amx"} and min(v.values()) > 0 for v in ms.values())
     assert all((layer.amx_codes is not None) == (kernel == "amx") for layer in int4_layers(target))
+
+
+def test_a_layer_that_does_not_fit_leaves_the_whole_target_on_int4(kernel_dir):
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    quantize_cpu(model, "int4")    # the MLP's down projection has 96 inputs: int4 packs it, AMX's tiles do not
+    target = replace(tiny_target(model), quant="int4")
+    lines = []
+    assert choose_target_kernel(target, kernel_dir, report=lines.append) == ("int4", {})
+    assert all(layer.amx_codes is None for layer in int4_layers(target))
+    assert "96x64" in lines[0]

@@ -179,12 +179,14 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print) -> tuple
     verifies of TARGET_ROWS tokens on each: AMX where its 1-token verify costs at most 5% more
     (plain decoding) and its 4-token one saves 10% (trees). -> (kernel, timings); leaves the
     layers on the chosen one. Says why where AMX cannot run."""
+    layers = int4_layers(target)
     try:
         amx.load(cache_dir, cpu_flags())
-        layers = int4_layers(target)
         for layer in layers:
             layer.use_amx()
     except (amx.AmxUnavailable, ValueError) as e:
+        for layer in layers:   # a shape that does not fit leaves none on AMX, not those before it
+            layer.use_int4()
         report(f"Aerie: the target's linears run on torch's int4 kernel: no AMX kernel here ({e}).")
         return "int4", {}
     packs = [(layer.amx_codes, layer.amx_d, layer.amx_z) for layer in layers]
