@@ -65,7 +65,8 @@ class Int4Linear(nn.Module):
         self.wide_from: int | None = None                          # rows from which `wide` computes
         self.wide_kind = "fp32"                                      # which of TWINS `wide` holds
         self.register_buffer("wide", None)                          # the same weights, fp32, packed for oneDNN
-        for name in ("amx_codes", "amx_d", "amx_z"):                 # the same weights for the AMX kernel (use_amx)
+        self.amx_from: int | None = None                           # rows from which the AMX kernel computes
+        for name in ("amx_codes", "amx_d", "amx_z"):                 # the same weights for it (use_amx)
             self.register_buffer(name, None)
         if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice)
             self.weight = linear.weight
@@ -85,17 +86,21 @@ class Int4Linear(nn.Module):
         scale, zero = (self.scale_zero[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))  # (N, K)
         return (self.codes().float() - 8) * scale + zero
 
-    def use_amx(self) -> None:
-        """Compute every call on the AMX kernel (models/amx.py, loaded first) from the same codes,
-        scales and zeros: the same weight values; where a shape does not suit it (K a multiple of
-        64, N of 16), raise ValueError."""
+    def use_amx(self, from_rows: int = 1) -> None:
+        """Compute calls of `from_rows` rows or more on the AMX kernel (models/amx.py, loaded first)
+        from the same codes, scales and zeros: the same weight values, its output rounded to bf16
+        as the int4 kernel's is, so only the order of the fp32 sums differs. Where a shape does
+        not suit it (K a multiple of 64, N of 16), raise ValueError."""
         if self.in_features % 64 or self.out_features % 16:
             raise ValueError(f"a {self.in_features}x{self.out_features} linear does not fit the AMX kernel's tiles")
-        packed = amx_pack(self.codes(), self.scale_zero[..., 0], self.scale_zero[..., 1])
-        self.amx_codes, self.amx_d, self.amx_z = packed.codes, packed.d, packed.z
+        if self.amx_codes is None:
+            packed = amx_pack(self.codes(), self.scale_zero[..., 0], self.scale_zero[..., 1])
+            self.amx_codes, self.amx_d, self.amx_z = packed.codes, packed.d, packed.z
+        self.amx_from = from_rows
 
     def use_int4(self) -> None:
-        self.amx_codes = self.amx_d = self.amx_z = None
+        """Back to torch's int4 kernel at every row count, freeing the AMX kernel's copy."""
+        self.amx_codes = self.amx_d = self.amx_z = self.amx_from = None
 
     def widen(self, from_rows: int, kind: str = "fp32", pack_rows: int = 32) -> None:
         """Compute calls of `from_rows` rows or more on oneDNN over `dequantized()`: its fp32
@@ -114,8 +119,8 @@ class Int4Linear(nn.Module):
         # A compiled graph's rows are fixed or within a range no kernel switch splits: one kernel per graph.
         if self.wide_from is not None and rows.shape[0] >= self.wide_from:
             y = onednn_matmul(rows, self.wide, self.out_features, self.wide_kind).to(torch.bfloat16)
-        elif self.amx_codes is not None:
-            y = torch.ops.aerie_amx.q41_mm(rows, self.amx_codes, self.amx_d, self.amx_z, self.out_features)
+        elif self.amx_from is not None and rows.shape[0] >= self.amx_from:
+            y = torch.ops.aerie_amx.q41_mm(rows, self.amx_codes, self.amx_d, self.amx_z, self.out_features).to(torch.bfloat16)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

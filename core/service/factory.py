@@ -200,7 +200,7 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
     runner = engine.runner
     key = {"graphs_version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
            "quant": engine.target.quant, "dtype": str(engine.target.dtype),
-           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "target": kernels.target} if kernels else None,
+           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "amx_from": kernels.amx_from} if kernels else None,
            "head": head_identity(spec.head) if runner.feature_layers else None,
            "buckets": list(runner.buckets), "capacity": runner.capacity, "features": runner.feature_layers}
     folder = spec.cache_dir / "graphs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -217,7 +217,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
 
     def measure() -> KernelChoice:
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
-        kernel, kernel_ms = choose_target_kernel(target, spec.cache_dir, report) if target.quant == "int4" else ("int4", {})
+        amx_from, amx_ms = choose_target_kernel(target, spec.cache_dir, report) if target.quant == "int4" else (None, {})
         trees = (choose_wide_from(target) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
         prefill, prefill_ms = (choose_prefill(target, psutil.virtual_memory().available) if target.quant == "int4"
@@ -226,7 +226,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
         if strategy == "eagle":
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)))
         return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms,
-                            kernel, kernel_ms)
+                            amx_from, amx_ms)
 
     choice, cached = cached_choice(spec.cache_dir, key, measure)
     if cached:
@@ -234,7 +234,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
             apply_target_kernel(target, choice, spec.cache_dir)
         except AmxUnavailable as e:   # chosen here once, gone now (a compiler removed): say so, run int4
             report(f"Aerie: the AMX kernel chosen for this machine cannot load ({e}); the target runs on int4.")
-            choice = replace(choice, target="int4")
+            choice = replace(choice, amx_from=None)
     apply_wide(target, choice, prefills)
     return choice
 

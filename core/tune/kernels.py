@@ -45,8 +45,8 @@ PAYING_TOKENS = 3.0
 HEAD_WEIGHTS = ("int8", "int4", "bf16")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
-VERSION = 4
-TARGET_ROWS = (1, 4, 16)      # verify sizes timed on torch's int4 kernel against the AMX one
+VERSION = 5
+TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on torch's int4 kernel against the AMX one
 PREFILL_ROWS = 512             # one prefill chunk (core/runtime/runner.py PREFILL_CHUNK)
 PREFILL_FROM = max(WIDE_ROWS) + 1   # a prefill's twin serves calls past every verify bucket
 TWIN_BYTES = {"fp32": 4, "bf16x3": 6}   # per weight
@@ -61,13 +61,13 @@ class KernelChoice:
     verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies (1: int4)
     head_ms: dict = field(default_factory=dict)      # head weights -> ms of a head step at 4 rows
     prefill_ms: dict = field(default_factory=dict)   # kernel -> ms of a 512-token eager prefill
-    # The target's int4 layers at every size: torch's int4 kernel or the AMX one (models/amx.py), the
-    # same weight values either way. verify_ms' and prefill_ms' "int4" entries were timed on it.
-    target: str = "int4"
+    # Rows from which the target's int4 layers run on the AMX kernel (models/amx.py) instead of
+    # torch's int4 one: the same weight values. verify_ms' and prefill_ms' "int4" were timed on the mix.
+    amx_from: int | None = None
     target_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "amx": ms}, eager verifies
 
     def describe(self) -> str:
-        kernel = "AMX 4-bit" if self.target == "amx" else "int4"
+        kernel = {None: "int4", 1: "AMX 4-bit"}.get(self.amx_from, f"int4, AMX 4-bit from {self.amx_from} rows")
         wide = f"{kernel}, fp32 twin from {self.wide_from} rows" if self.wide_from else f"{kernel} at every size"
         prefill = "" if self.prefill == "int4" or self.wide_from else f", prefill on the {self.prefill} twin"
         return f"target {wide}, trees up to {self.largest}{prefill}; head {self.head}"
@@ -174,11 +174,11 @@ def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> TreeK
 
 
 @torch.inference_mode()
-def choose_target_kernel(target: Target, cache_dir: Path, report=print) -> tuple[str, dict]:
-    """torch's int4 kernel or the AMX one (models/amx.py) for the target's int4 layers, by eager
-    verifies of TARGET_ROWS tokens on each: AMX where its 1-token verify costs at most 5% more
-    (plain decoding) and its 4-token one saves 10% (trees). -> (kernel, timings); leaves the
-    layers on the chosen one. Says why where AMX cannot run."""
+def choose_target_kernel(target: Target, cache_dir: Path, report=print) -> tuple[int | None, dict]:
+    """From which verify size the target's int4 layers run on the AMX kernel (models/amx.py)
+    instead of torch's int4 one, by eager verifies of TARGET_ROWS tokens on each (`pick_amx_from`):
+    the same weight values either way, so each size takes the faster. -> (rows or None,
+    timings); leaves the layers on the choice. Says why where AMX cannot run."""
     layers = int4_layers(target)
     try:
         amx.load(cache_dir, cpu_flags())
@@ -188,26 +188,39 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print) -> tuple
         for layer in layers:   # a shape that does not fit leaves none on AMX, not those before it
             layer.use_int4()
         report(f"Aerie: the target's linears run on torch's int4 kernel: no AMX kernel here ({e}).")
-        return "int4", {}
-    packs = [(layer.amx_codes, layer.amx_d, layer.amx_z) for layer in layers]
+        return None, {}
 
     def setup(kernel: str) -> None:
-        for layer, (codes, d, z) in zip(layers, packs):
-            layer.amx_codes, layer.amx_d, layer.amx_z = (codes, d, z) if kernel == "amx" else (None, None, None)
+        for layer in layers:
+            layer.amx_from = 1 if kernel == "amx" else None
     best = time_verifies(target, {n: ("int4", "amx") for n in TARGET_ROWS}, setup)
-    ms = {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
-    wins = best[1]["amx"] <= 1.05 * best[1]["int4"] and best[4]["amx"] < WIN * best[4]["int4"]
-    setup("amx" if wins else "int4")
-    return ("amx" if wins else "int4"), ms
+    amx_from = pick_amx_from(best)
+    for layer in layers:
+        if amx_from is None:
+            layer.use_int4()
+        else:
+            layer.use_amx(amx_from)
+    return amx_from, {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
+
+
+def pick_amx_from(best: dict) -> int | None:
+    """best: rows -> {"int4": ms, "amx": ms} -> the first timed size from which AMX serves every
+    larger one: where it saves 10% at that size and each above (1 row: where it costs at most 5%
+    more, since plain decoding lives there and a tree above it gains); None where it never does."""
+    sizes = sorted(best)
+
+    def wins(n: int) -> bool:
+        return best[n]["amx"] <= (1.05 if n == 1 else WIN) * best[n]["int4"]
+    return next((n for i, n in enumerate(sizes) if all(wins(m) for m in sizes[i:])), None)
 
 
 def apply_target_kernel(target: Target, choice: KernelChoice, cache_dir: Path) -> None:
-    """Put the target's int4 layers on the kernel `choice` names (raises AmxUnavailable where AMX
+    """Put the target's int4 layers on the kernels `choice` names (raises AmxUnavailable where AMX
     was chosen on this machine once and cannot be loaded now)."""
-    if choice.target == "amx":
+    if choice.amx_from is not None:
         amx.load(cache_dir, cpu_flags())
         for layer in int4_layers(target):
-            layer.use_amx()
+            layer.use_amx(choice.amx_from)
 
 
 def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
@@ -274,10 +287,11 @@ def twin_of(choice: KernelChoice) -> Twin | None:
 
 
 def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
-    """The row counts from which the target's linears run on a twin: no graph may span one
-    (core/runtime/graphs.py `row_groups`)."""
+    """The row counts from which the target's linears run on another kernel (a twin, AMX): no
+    graph may span one (core/runtime/graphs.py `row_groups`)."""
     twin = twin_of(choice)
-    return () if twin is None else (twin.from_rows,)
+    edges = {twin.from_rows} if twin is not None else set()
+    return tuple(sorted(edges | ({choice.amx_from} if choice.amx_from not in (None, 1) else set())))
 
 
 def apply_wide(target: Target, choice: KernelChoice, prefills: bool = True) -> None:
