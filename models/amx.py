@@ -14,68 +14,42 @@ The kernel is C++ compiled once per machine and torch version into the cache fol
 the compiled graphs need anyway) and loaded as the op `torch.ops.aerie_amx.q41_mm`.
 """
 
-import hashlib
-import subprocess
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "q41_amx.cpp"
+from models.native import CSRC, NativeUnavailable, build, digest
+
+NAME = "q41_amx"
 FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512bw")
+COMPILER_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx512vl")
 
 
-class AmxUnavailable(RuntimeError):
+class AmxUnavailable(NativeUnavailable):
     """This machine cannot run the AMX kernel; the message says why."""
 
 
-def _compile(out: Path) -> None:
-    from torch.utils import cpp_extension
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    command = ["g++", "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw",
-               "-mavx512bf16", "-mavx512vl", abi, *includes, str(SOURCE), "-o", str(out) + ".tmp", *libs,
-               "-lc10", "-ltorch_cpu"]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True)
-    except FileNotFoundError as e:
-        raise AmxUnavailable("no C++ compiler (g++) to build it") from e
-    if done.returncode != 0:
-        raise AmxUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-600:]}")
-    Path(str(out) + ".tmp").replace(out)
-
-
-_loaded: set[str] = set()
-
-
 def source_digest() -> str:
-    """What the compiled kernel depends on: its source and torch's version."""
-    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    """What the compiled kernel depends on: its source, torch's version, its flags."""
+    return digest(CSRC / f"{NAME}.cpp", COMPILER_FLAGS)
 
 
 def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_amx.q41_mm` available: compile the kernel once into `cache_dir`
-    (keyed by its source and torch's version), then load it. `cpu_flags`: the CPU's, as
-    /proc/cpuinfo lists them. Raises AmxUnavailable with the reason where the CPU lacks AMX, the
-    platform is not Linux, or compiling fails."""
-    if not sys.platform.startswith("linux"):
-        raise AmxUnavailable("the AMX kernel is built for Linux only")
+    (models/native.py), then load it. `cpu_flags`: the CPU's, as /proc/cpuinfo lists them. Raises
+    AmxUnavailable with the reason where the CPU lacks AMX, the platform is not Linux, or
+    compiling fails."""
     missing = [f for f in FLAGS if f not in set(cpu_flags)]
     if missing:
         raise AmxUnavailable(f"this CPU lacks {', '.join(missing)}")
-    library = Path(cache_dir) / "kernels" / f"q41_amx-{source_digest()}.so"
-    if str(library) in _loaded:
-        return
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        _compile(library)
-    torch.ops.load_library(str(library))
-    if not _loaded:  # the op's shape rule, for compiled graphs
+    try:
+        first = build(NAME, COMPILER_FLAGS, cache_dir)
+    except NativeUnavailable as e:
+        raise AmxUnavailable(str(e)) from e
+    if first:  # the op's shape rule, for compiled graphs
         torch.library.register_fake("aerie_amx::q41_mm", _fake)
-    _loaded.add(str(library))
 
 
 def _fake(x, codes, d, z, n):

@@ -2,7 +2,7 @@
 
 Four calls: `prefill` a prompt, `verify` a tree, `commit` the accepted rows, `reset` for a new chat.
 The KV lives in one transformers `Cache` of `StaticLayer`s per runner, allocated once for the
-whole context (capacity C = context + the largest bucket; fp64 on CPU, see `exact`): a forward writes its N rows at [L, L+N) and a commit
+whole context (capacity C = context + the largest bucket; on a CPU fp32 or fp64, see `exact`): a forward writes its N rows at [L, L+N) and a commit
 moves the accepted rows to [L, L+a) and rewinds the cache's length counter. The runner keeps a
 host mirror L of that length, so it never reads the device.
 
@@ -28,10 +28,12 @@ from transformers.masking_utils import sdpa_mask
 from core.config import PLANNED_CONTEXT
 from core.runtime.graphs import Graph, GraphJob, compiled_all, graph_name, row_groups, rows_label
 from core.runtime.kv import additive_mask, attended_rows, cache_bytes, keep_rows, set_length, static_cache
+from models import attention
 from models.quants import CPU_QUANTS
 from models.target import Target
 
 ATTENTION = "aerie_tree"
+ROW_ATTENTION = "aerie_rows"
 CPU_BUCKETS = (1, 2, 4, 8)                  # past ~8 a tree stops paying on a 2-core CPU; 2 costs as little as 1
 CUDA_BUCKETS = (1, 4, 8, 16, 32, 48, 64)
 PREFILL_CHUNK = 512
@@ -59,10 +61,25 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     return out.to(query.dtype).reshape(batch, q_heads, n, dim).transpose(1, 2).contiguous(), None  # (B, N, Hq, D)
 
 
+def row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """tree_attention on models/attention.py's kernel for up to MAX_ROWS query tokens (a verify, a
+    short prefill chunk): each row alone in one fixed fp32 order over the fp32 cache, so a tree's
+    rows equal one token's bit for bit. Longer chunks (a prompt's prefill) keep fp32 SDPA."""
+    if attention_mask is None or attention_mask.dim() != 4 or query.shape[0] != 1 or query.shape[2] > attention.MAX_ROWS:
+        return tree_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    _, q_heads, n, dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.reshape(kv_heads, q_heads // kv_heads * n, dim).float()                 # (Hkv, r*N, D)
+    scale = scaling if scaling is not None else dim ** -0.5
+    out = attention.attend(folded, key[0], value[0], attention_mask[0, 0], scale)            # (Hkv, r*N, D)
+    return out.to(query.dtype).reshape(1, q_heads, n, dim).transpose(1, 2).contiguous(), None  # (1, N, Hq, D)
+
+
 def register_attention() -> None:
-    """Register under ATTENTION (idempotent); with sdpa's mask function so a 2D mask stays causal."""
-    AttentionInterface.register(ATTENTION, tree_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    """Register both under their names (idempotent); with sdpa's mask function so a 2D mask stays causal."""
+    for name, function in ((ATTENTION, tree_attention), (ROW_ATTENTION, row_attention)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,9 @@ class RunnerConfig:
     compile: bool = True                 # one compiled graph per bucket; False = the eager reference path
     buckets: tuple[int, ...] | None = None   # None = the device's (CPU_BUCKETS / CUDA_BUCKETS)
     context: int = PLANNED_CONTEXT       # KV rows kept for the chat (capped at the model's context)
+    # Exact attention on models/attention.py's kernel over an fp32 cache (the caller loaded it);
+    # False: fp64 SDPA over an fp64 cache. Only where `exact` applies.
+    row_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,17 +113,20 @@ class TargetRunner:
         # turns into logit differences of up to 0.375 (measured): greedy texts would part at near-
         # ties. An fp64 KV cache makes attention's sums exact to fp32 rounding, so a tree's logits
         # equal sequential decoding's bit for bit (measured, contexts 20-300, trees of 2-8), for
-        # twice the cache memory. CUDA keeps its dtype: a near-tie there is logged (tie_margin).
+        # twice the cache memory. The row kernel gets the same from an fp32 cache by computing each
+        # row alone in one order (models/attention.py), 2-4x cheaper. CUDA keeps its dtype: a
+        # near-tie there is logged (tie_margin).
         self.exact = self.device.type == "cpu" and target.quant in CPU_QUANTS
-        kv_dtype = torch.float64 if self.exact else self.dtype
+        text = target.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.row_attention = self.exact and config.row_attention and attention.supports(head_dim)
+        kv_dtype = torch.float32 if self.row_attention else torch.float64 if self.exact else self.dtype
         self.prefill_dtype = torch.float32 if self.exact else kv_dtype   # attention's, in `prefill`
         self.tie_margin = 0.5 if self.dtype != torch.float32 else 1e-3
         self.capacity = self.context_len + self.buckets[-1]
         register_attention()
-        target.model.set_attn_implementation(ATTENTION)
-        text = target.model.config.get_text_config()
+        target.model.set_attn_implementation(ROW_ATTENTION if self.row_attention else ATTENTION)
         self.num_layers = text.num_hidden_layers
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.cache = static_cache(self.num_layers, self.capacity, text.num_key_value_heads, head_dim, kv_dtype, self.device)
         self.length = 0                  # L, the cache's length counter mirrored on the host
         self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
@@ -117,9 +140,9 @@ class TargetRunner:
     def prefill(self, ids: list[int], start: int) -> Verified:
         """Feed `ids` at positions start.. after truncating the cache to `start`; -> the logits after
         the last token (1, V) and the features of every fed token. Eager, in causal chunks.
-        Attention computes in fp32 over an fp64 cache: exactness matters where a tree must
-        equal one token at a time, and every strategy prefills the same way (a 2,048-token prompt,
-        2-core Xeon: fp64 attention took 39% of the prefill)."""
+        Attention computes in fp32 (over an fp64 cache where it is one): exactness matters where a
+        tree must equal one token at a time, and every strategy prefills the same way (a 2,048-token
+        prompt, 2-core Xeon: fp64 attention took 39% of the prefill)."""
         self.truncate(start)
         features = []
         for lo in range(0, len(ids), PREFILL_CHUNK):

@@ -23,16 +23,18 @@ from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
 from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_target_kernel, apply_wide, cached_choice,
-                               choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, kernel_edges,
-                               machine_key, time_draft_steps, twin_fits)
+                               choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
+                               kernel_edges, machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
                                profile_mismatch)
 from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
+from models import attention
 from models.amx import AmxUnavailable
 from models.amx import source_digest as amx_source_digest
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
 from models.head_config import head_config_for_target
+from models.native import NativeUnavailable
 from models.heads import build_head
 from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
@@ -132,7 +134,8 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: 
     3 s for the embedded model on the bf16x3 twin)."""
     target, onednn, placement = load_fast_target(spec, probe)
     strategy = resolved_strategy(spec)
-    kernels = cpu_kernels(target, spec, strategy, report, prefills) if target.quant in CPU_QUANTS else None
+    rows = row_attention(target, spec.cache_dir, report)
+    kernels = cpu_kernels(target, spec, strategy, report, prefills, rows) if target.quant in CPU_QUANTS else None
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter()}
     if strategy == "eagle":
         drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), kernels.head if kernels else "int8")
@@ -144,7 +147,7 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: 
         report("Aerie: nf4 runs eagerly on a CPU: bitsandbytes' 4-bit layers do not compile here "
                "(--quant int4, the CPU default, does).")
     runner = TargetRunner(target, RunnerConfig(compile=spec.compile and not onednn and not nf4_cpu,
-                                               buckets=cpu_buckets(kernels)),
+                                               buckets=cpu_buckets(kernels), row_attention=rows),
                           drafters["eagle"].feature_layers if "eagle" in drafters else None)
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
     if not (runner.wants_graphs and target.device.type == "cpu"):
@@ -183,6 +186,8 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
         used += f", head compiled {list(drafters['eagle'].compiled_sizes)}"
     if kernels is not None:
         used += f", {kernels.describe()}"
+    if runner.row_attention:
+        used += f", row attention {attention.source_digest(cpu_flags())}"
     key = profile_key(engine, spec.head, used, offloaded)
     sizes = LARGE_SIZES if offloaded else SIZES
     profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes),
@@ -202,25 +207,44 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
            "quant": engine.target.quant, "dtype": str(engine.target.dtype),
            "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "amx_from": kernels.amx_from} if kernels else None,
            "head": head_identity(spec.head) if runner.feature_layers else None,
-           "buckets": list(runner.buckets), "capacity": runner.capacity, "features": runner.feature_layers}
+           "attention": attention.source_digest(cpu_flags()) if runner.row_attention else "sdpa",
+           "kv": str(runner.cache.layers[0].keys.dtype), "buckets": list(runner.buckets), "capacity": runner.capacity,
+           "features": runner.feature_layers}
     folder = spec.cache_dir / "graphs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "key.json").write_text(json.dumps(key, indent=1))
     return folder
 
 
-def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, prefills: bool = True) -> KernelChoice:
+def row_attention(target: Target, cache_dir: Path, report=print) -> bool:
+    """Whether a CPU target's exact attention runs on the row kernel (models/attention.py), built
+    here once per machine; where it cannot be, say why: fp64 SDPA serves, as exact and slower."""
+    if target.device.type != "cpu" or target.quant not in CPU_QUANTS:
+        return False
+    try:
+        attention.load(cache_dir, cpu_flags())
+    except NativeUnavailable as e:
+        report(f"Aerie: attention runs in fp64, 2-4x slower: its fp32 row kernel cannot be built here ({e}).")
+        return False
+    return True
+
+
+def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, prefills: bool = True,
+                rows: bool = False) -> KernelChoice:
     """This machine's kernel choice for `target` (core/tune/kernels.py), measured once and cached, and
-    the target's int4 layers set up for it (for verifies only, without `prefills`)."""
+    the target's int4 layers set up for it (for verifies only, without `prefills`). rows: whether
+    attention runs on the row kernel (`row_attention`), as the timed verifies do."""
     key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
-           "head": head_identity(spec.head) if strategy == "eagle" else None, "amx_kernel": amx_source_digest()}
+           "head": head_identity(spec.head) if strategy == "eagle" else None, "amx_kernel": amx_source_digest(),
+           "attention": attention.source_digest(cpu_flags()) if rows else "sdpa"}
 
     def measure() -> KernelChoice:
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
-        amx_from, amx_ms = choose_target_kernel(target, spec.cache_dir, report) if target.quant == "int4" else (None, {})
-        trees = (choose_wide_from(target) if target.quant == "int4"
+        amx_from, amx_ms = (choose_target_kernel(target, spec.cache_dir, report, rows) if target.quant == "int4"
+                            else (None, {}))
+        trees = (choose_wide_from(target, row_attention=rows) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
-        prefill, prefill_ms = (choose_prefill(target, psutil.virtual_memory().available) if target.quant == "int4"
+        prefill, prefill_ms = (choose_prefill(target, psutil.virtual_memory().available, rows) if target.quant == "int4"
                                else ("int4", {}))
         head, head_ms = "int8", {}
         if strategy == "eagle":

@@ -131,13 +131,14 @@ class TreeKernels:
     verify_ms: dict             # rows -> {"int4": ms, "wide": ms}; "1" -> {"int4": ms}
 
 
-def time_verifies(target: Target, kernels: dict, setup) -> dict:
+def time_verifies(target: Target, kernels: dict, setup, row_attention: bool = False) -> dict:
     """kernels: rows -> the kernel names to time a verify of that many tokens on; setup(name)
-    puts the target's layers on one. Eager verifies after a 128-token prefill, each size's kernels
+    puts the target's layers on one; row_attention: the runner's (RunnerConfig). Eager verifies after a 128-token prefill, each size's kernels
     interleaved (a burst of load lands on all alike), best of REPEATS after a warm-up pass;
     -> rows -> {name: ms}."""
     rows = tuple(kernels)
-    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=tuple(sorted({1, *rows})), context=256))
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=tuple(sorted({1, *rows})), context=256,
+                                               row_attention=row_attention))
     ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (128 + max(rows),),
                         generator=torch.Generator().manual_seed(0)).tolist()
     runner.prefill(ids[:128], 0)
@@ -156,7 +157,7 @@ def time_verifies(target: Target, kernels: dict, setup) -> dict:
 
 
 @torch.inference_mode()
-def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> TreeKernels:
+def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS, row_attention: bool = False) -> TreeKernels:
     """Time eager verifies of 1 token and of `rows` tokens with every int4 layer on its kernel
     ("int4": torch's or the AMX one, as set) and on its fp32 twin; -> where the twin wins and how
     big a tree can pay. Leaves every layer on its kernel and drops the twins."""
@@ -167,14 +168,15 @@ def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS) -> TreeK
     def setup(kernel: str) -> None:
         for layer in layers:
             layer.wide_from = 1 if kernel == "wide" else None
-    best = time_verifies(target, {1: ("int4",), **{n: ("int4", "wide") for n in rows}}, setup)
+    best = time_verifies(target, {1: ("int4",), **{n: ("int4", "wide") for n in rows}}, setup, row_attention)
     for layer in layers:
         layer.narrow()
     return pick_tree_kernels(best, rows)
 
 
 @torch.inference_mode()
-def choose_target_kernel(target: Target, cache_dir: Path, report=print) -> tuple[int | None, dict]:
+def choose_target_kernel(target: Target, cache_dir: Path, report=print,
+                         row_attention: bool = False) -> tuple[int | None, dict]:
     """From which verify size the target's int4 layers run on the AMX kernel (models/amx.py)
     instead of torch's int4 one, by eager verifies of TARGET_ROWS tokens on each (`pick_amx_from`):
     the same weight values either way, so each size takes the faster. -> (rows or None,
@@ -193,7 +195,7 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print) -> tuple
     def setup(kernel: str) -> None:
         for layer in layers:
             layer.amx_from = 1 if kernel == "amx" else None
-    best = time_verifies(target, {n: ("int4", "amx") for n in TARGET_ROWS}, setup)
+    best = time_verifies(target, {n: ("int4", "amx") for n in TARGET_ROWS}, setup, row_attention)
     amx_from = pick_amx_from(best)
     for layer in layers:
         if amx_from is None:
@@ -241,12 +243,13 @@ def twin_fits(target: Target, free_bytes: int, kind: str = "fp32", decoder_only:
 
 
 @torch.inference_mode()
-def choose_prefill(target: Target, free_bytes: int) -> tuple[str, dict]:
+def choose_prefill(target: Target, free_bytes: int, row_attention: bool = False) -> tuple[str, dict]:
     """Time eager 512-token prefills on int4 and on each twin that fits (built one at a time, best
     of REPEATS after a warm-up); -> the fastest if it saves 10% over int4 (else int4), and the
     timings. Leaves every layer on int4."""
     layers = int4_layers(target, decoder_only=True)
-    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1,), context=PREFILL_ROWS + 8))
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1,), context=PREFILL_ROWS + 8,
+                                               row_attention=row_attention))
     ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (PREFILL_ROWS,),
                         generator=torch.Generator().manual_seed(0)).tolist()
     ms = {}

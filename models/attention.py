@@ -1,0 +1,52 @@
+"""Exact attention for a tree's few rows on a CPU, in fp32 (models/csrc/row_attention.cpp).
+
+A tree's verify must give each row what one token at a time gives, bit for bit, or greedy texts
+part at near-ties. torch's SDPA sums in an order that depends on how many query rows come
+together, so Aerie ran it in fp64 over an fp64 cache, whose rounding to fp32 hid the order; that
+cost most of a small model's verify (SmolLM2-135M, 2-core Xeon, one layer, Lk 512: fp64 SDPA 134 us
+for one token's 3 folded rows per KV head and 385 for eight tokens', fp32 52 and 142). This kernel
+computes every row alone in one fixed order (the source says which), in fp32 from an fp32 cache:
+exact in the sense that matters (a row's value does not depend on the rows beside it or on the
+padding of Lk) at fp32's cost. Built for the CPU's vector width: AVX-512, AVX2 or plain SSE.
+"""
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from models.native import CSRC, build, digest
+
+NAME = "row_attention"
+MAX_ROWS = 64            # query tokens per call it serves: a verify's; longer prefills keep fp32 SDPA
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the kernel has a build for this head size (a multiple of 16 up to 128)."""
+    return head_dim % 16 == 0 and 16 <= head_dim <= 128
+
+
+def compiler_flags(cpu_flags: Iterable[str]) -> tuple[str, ...]:
+    """The widest vectors this CPU has; no contraction into FMAs, so the order of rounding is the
+    source's on every machine."""
+    flags = set(cpu_flags)
+    wide = ("-mavx512f", "-mavx512vl") if "avx512f" in flags else ("-mavx2", "-mfma") if "avx2" in flags else ()
+    return (*wide, "-ffp-contract=off")
+
+
+def source_digest(cpu_flags: Iterable[str]) -> str:
+    """What the kernel built for this CPU depends on (models/native.py `digest`)."""
+    return digest(CSRC / f"{NAME}.cpp", compiler_flags(cpu_flags))
+
+
+def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
+    """Make `torch.ops.aerie_attn.attend` available (built once into `cache_dir`, models/native.py);
+    raises NativeUnavailable with the reason where it cannot be built."""
+    if build(NAME, compiler_flags(cpu_flags), cache_dir):
+        torch.library.register_fake("aerie_attn::attend", lambda q, k, v, mask, scale: torch.empty_like(q))
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """query (Hkv, R, D) fp32, R = r * N folded rows; key, value (Hkv, C, D) fp32, the cache; mask (N, Lk)
+    additive fp32 -> (Hkv, R, D): softmax(q k^T * scale + mask) v over the first Lk cache rows."""
+    return torch.ops.aerie_attn.attend(query.contiguous(), key, value, mask, scale)

@@ -1,0 +1,108 @@
+"""The row attention kernel (models/attention.py): softmax(q k^T + mask) v to fp32's precision, each
+row the same alone as beside other rows and whatever the cache's padding, so an int4 target's
+tree logits equal one token at a time bit for bit, and greedy EAGLE equals plain decoding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.config import SamplingConfig, TreeConfig
+from core.engine import Engine
+from core.runtime.runner import RunnerConfig, TargetRunner
+from core.spec.drafters import PlainDrafter
+from core.spec.eagle import EagleDrafter
+from core.tune.kernels import cpu_flags
+from models import attention, native
+from models.cpu_quant import quantize_cpu
+from tests.conftest import random_head, tiny_llama, tiny_target
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel(cache_dir):
+    attention.load(cache_dir, cpu_flags())
+
+
+def case(heads: int, rows: int, n: int, lk: int, dim: int, seed: int):
+    """q (H, rows, D); k, v (H, lk + 9, D) with the 9 rows past Lk garbage; mask (n, lk): each row
+    sees the first lk - n columns and, among the last n, itself and a random subset."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(heads, size, dim, generator=g) for size in (rows, lk + 9, lk + 9))
+    k[:, lk:], v[:, lk:] = 1e30, 1e30
+    visible = (torch.rand(n, n, generator=g) < 0.5) | torch.eye(n, dtype=torch.bool)
+    mask = torch.zeros(n, lk)
+    mask[:, lk - n:].masked_fill_(~visible, torch.finfo(torch.float32).min)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+@pytest.mark.parametrize("n,lk", [(1, 1), (1, 70), (5, 37), (8, 300)])
+def test_attend_matches_fp64_sdpa(dim, n, lk):
+    q, k, v, mask = case(heads=3, rows=3 * n, n=n, lk=lk, dim=dim, seed=dim + lk)
+    scale = dim ** -0.5
+    out = attention.attend(q, k, v, mask, scale)
+    want = F.scaled_dot_product_attention(q.double(), k[:, :lk].double(), v[:, :lk].double(),
+                                          attn_mask=mask.double().repeat(3, 1), scale=scale)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_a_row_is_the_same_alone_beside_others_and_whatever_the_padding():
+    q, k, v, mask = case(heads=2, rows=3 * 8, n=8, lk=200, dim=64, seed=3)
+    together = attention.attend(q, k, v, mask, 0.125)
+    for row in range(24):
+        alone = attention.attend(q[:, row: row + 1], k, v, mask[row % 8: row % 8 + 1], 0.125)
+        assert torch.equal(alone[:, 0], together[:, row]), row
+    padded = torch.cat([mask, torch.full((8, 7), torch.finfo(torch.float32).min)], 1)   # 7 more blocked columns
+    k[:, 200:207], v[:, 200:207] = torch.randn(2, 7, 64), torch.randn(2, 7, 64)
+    assert torch.equal(attention.attend(q, k, v, padded, 0.125), together)
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    q, k, v, mask = case(heads=2, rows=4, n=4, lk=20, dim=64, seed=0)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        attention.attend(q, k.double(), v, mask, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        attention.attend(q[..., :40], k[..., :40].contiguous(), v[..., :40].contiguous(), mask, 1.0)
+    assert not attention.supports(40) and attention.supports(128) and not attention.supports(256)
+
+
+def test_a_second_cache_folder_in_one_process_loads_nothing_twice(tmp_path):
+    """torch registers an op namespace once per process: a second library of the same kernel from
+    another folder would abort the process inside dlopen (CI, issue 17), so none is loaded."""
+    assert native.build(attention.NAME, attention.compiler_flags(cpu_flags()), tmp_path) is False
+    attention.load(tmp_path, cpu_flags())
+    assert not (tmp_path / "kernels").exists()
+
+
+def int4_target(seed: int):
+    model = tiny_llama(seed=seed, layers=3)
+    quantize_cpu(model, "int4")
+    target = tiny_target(model)
+    return type(target)(**{**target.__dict__, "quant": "int4"})
+
+
+def test_tree_logits_equal_one_token_at_a_time_bit_for_bit():
+    target = int4_target(seed=2)
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8), row_attention=True))
+    assert runner.row_attention and runner.cache.layers[0].keys.dtype == torch.float32
+    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(0)).tolist()
+    runner.prefill(ids[:82], 0)                  # past one 64-row block of the cache
+    rows = []
+    for t in ids[82:]:
+        rows.append(runner.verify(torch.tensor([t]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)).logits)
+        runner.commit(torch.tensor([0]), [t])
+    runner.truncate(82)
+    tree = runner.verify(torch.tensor(ids[82:]), torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril()).logits
+    assert torch.equal(tree, torch.cat(rows))
+
+
+def test_greedy_eagle_on_row_attention_is_plain_decodings_text():
+    target = int4_target(seed=1)
+    prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
+    config = RunnerConfig(compile=False, buckets=(1, 2, 4, 8, 16), row_attention=True)
+    texts = []
+    for shape in (None, TreeConfig(1, 2, 4), TreeConfig(3, 4, 16)):
+        drafter = PlainDrafter() if shape is None else EagleDrafter(random_head(target.model, "eagle1", 3), 3, shape)
+        engine = Engine(target, drafter, TargetRunner(target, config, drafter.feature_layers))
+        texts.append([t for step in engine.generate(prompt, SamplingConfig(max_new_tokens=40)) for t in step.new_ids])
+    assert len(texts[0]) == 40 and texts[1] == texts[0] and texts[2] == texts[0]
