@@ -5,7 +5,7 @@ import argparse
 import os
 from pathlib import Path
 
-from models.quants import QUANTS  # torch-free
+from models.quants import ATTENTIONS, QUANTS  # torch-free
 
 ROOT = Path(__file__).resolve().parent
 
@@ -34,6 +34,13 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--vram-reserve", type=float, default=0.5, metavar="GB",
                    help="GPU memory (GiB) to leave to other programs; a model that does not fit beside it is partly offloaded to RAM")
+    p.add_argument("--attention", choices=ATTENTIONS, default="rows",
+                   help="a CPU int4/int8 target's exact attention: rows = Aerie's fp32 kernel, each token's row alone in one order "
+                        "(default), sdpa = torch's SDPA in fp64 (the reference; 2-4x slower). Both keep trees equal to plain decoding")
+    p.add_argument("--kernel-mix", action="store_true",
+                   help="on a CPU with AMX, let trees run on Aerie's AMX 4-bit kernel from the size where it wins while one token stays "
+                        "on torch's: the same weights summed in another order, so greedy text may part from plain decoding's at a "
+                        "near-tie (the bench counts them: tie_divergences). Default: one kernel for every size")
     p.add_argument("--no-compile", action="store_true",
                    help="run the target's forward eagerly instead of one compiled graph per tree size (slower; no compile at first start)")
     if bench:

@@ -54,7 +54,8 @@ def engine_spec(args: argparse.Namespace, **overrides):
     tree = static or (TreeConfig(**shape) if shape else None)  # the first turn's tree; then the tuner's
     fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=head,
                   allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"), tree=tree,
-                  pins=Pins(static=static, **shape), vram_reserve_gb=args.vram_reserve, compile=not args.no_compile)
+                  pins=Pins(static=static, **shape), vram_reserve_gb=args.vram_reserve, compile=not args.no_compile,
+                  attention=args.attention, kernel_mix=args.kernel_mix)
     return EngineSpec(**{**fields, **overrides})
 
 
@@ -177,10 +178,10 @@ def serve(args: argparse.Namespace, service, store, key: str | None, private: Pa
 def compile_command(spec) -> list[str]:
     """`launch.py compile` for the model of an EngineSpec: the child that compiles its graphs."""
     values = {"--model": spec.model, "--quant": spec.quant, "--device": spec.device, "--head": spec.head,
-              "--cache-dir": spec.cache_dir, "--strategy": spec.strategy}
+              "--cache-dir": spec.cache_dir, "--strategy": spec.strategy, "--attention": spec.attention}
     return [sys.executable, str(ROOT / "launch.py"), "compile",
             *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
-            *(["--allow-pickle"] if spec.allow_pickle else [])]
+            *(["--allow-pickle"] if spec.allow_pickle else []), *(["--kernel-mix"] if spec.kernel_mix else [])]
 
 
 def run_compile(args: argparse.Namespace) -> None:
@@ -239,8 +240,9 @@ def server_command(args: argparse.Namespace) -> list[str]:
     """`launch.py` serving the model bench was asked for, on this machine only, for `bench --serve`."""
     values = {"--model": args.model, "--quant": args.quant, "--device": args.device, "--head": args.head,
               "--depth": args.depth, "--top-k": args.top_k, "--total-tokens": args.total_tokens,
-              "--cache-dir": args.cache_dir, "--vram-reserve": args.vram_reserve}
-    flags = {"--allow-pickle": args.allow_pickle, "--static-tree": args.static_tree, "--no-compile": args.no_compile}
+              "--cache-dir": args.cache_dir, "--vram-reserve": args.vram_reserve, "--attention": args.attention}
+    flags = {"--allow-pickle": args.allow_pickle, "--static-tree": args.static_tree, "--no-compile": args.no_compile,
+             "--kernel-mix": args.kernel_mix}
     return [sys.executable, str(ROOT / "launch.py"), "--no-browser", "--host", "127.0.0.1",
             *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
             *(name for name, on in flags.items() if on)]

@@ -143,6 +143,13 @@ def bf16_terms(weight: torch.Tensor) -> torch.Tensor:
 ONEDNN_KINDS = ("fp32", "bf16", "bf16x3")   # how a OneDnnLinear holds its weight
 
 
+def onednn_runs(kind: str) -> bool:
+    """Whether oneDNN runs weights of `kind` (one of ONEDNN_KINDS, or int8/int4: torch's own
+    kernels) on this CPU: its bf16 GEMMs need AVX512-BF16-class hardware (AVX-512 BW/VL/DQ, AMX or
+    AVX-NE-CONVERT) and are refused on a CPU with AVX2 alone (an AMD EPYC here)."""
+    return "bf16" not in kind or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def onednn_pack(weight: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     """(N, K) fp32 -> oneDNN's prepacked weight of `kind`: fp32, bf16 (rounded), or bf16x3 (the
     exact three-term split, `bf16_terms`), packed for calls of about `rows` rows."""

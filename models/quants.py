@@ -1,4 +1,5 @@
-"""Names of the target weight formats. No torch here: launch.py's --help and app/ read them too.
+"""Names of the target weight formats and of a CPU target's attention kernels. No torch here:
+launch.py's --help and app/ read them too.
 
 nf4 = 4-bit bitsandbytes (CUDA's default); int4 / int8 = torch's CPU weight-only kernels (int4 is
 the CPU's default, see models/cpu_quant.py); none = the compute dtype (fp32 on CPU).
@@ -6,3 +7,6 @@ the CPU's default, see models/cpu_quant.py); none = the compute dtype (fp32 on C
 
 QUANTS = ("nf4", "int4", "int8", "none")
 CPU_QUANTS = ("int4", "int8")
+# A CPU_QUANTS target's exact attention (core/runtime/runner.py): the fp32 row kernel
+# (models/attention.py) or torch's SDPA in fp64; both give a tree's rows one token's values.
+ATTENTIONS = ("rows", "sdpa")

@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.config import TUNED
+from models.cpu_quant import onednn_runs
 from models.embedded import embedded_model_dir
 from models.head_config import head_config_for_target
 from models.heads import build_head
@@ -23,6 +24,9 @@ from models.target import LoadSpec, Target, load_target
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOT_ASSETS = ROOT / "assets"
+
+# oneDNN refuses bf16 GEMMs on a CPU without AVX512-BF16-class hardware (AVX2 alone)
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_runs("bf16"), reason="oneDNN runs no bf16 GEMM on this CPU")
 
 
 def tiny_llama(vocab_size: int = 256, seed: int = 0, layers: int = 2) -> LlamaForCausalLM:

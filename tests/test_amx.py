@@ -127,8 +127,9 @@ def test_amx_serves_from_the_first_size_it_wins_at_and_every_one_above():
     AMX from eight on. A win must hold at every larger size, and one row needs only a near-tie."""
     xeon = {1: {"int4": 7.03, "amx": 9.18}, 2: {"int4": 9.72, "amx": 11.94}, 4: {"int4": 11.63, "amx": 12.40},
             8: {"int4": 18.36, "amx": 14.07}, 16: {"int4": 32.08, "amx": 18.56}}
-    assert pick_amx_from(xeon) == 8
+    assert pick_amx_from(xeon, mix=True) == 8 and pick_amx_from(xeon) is None   # the default: one kernel at every size
     assert pick_amx_from({**xeon, 16: {"int4": 18.0, "amx": 18.56}}) is None
     assert pick_amx_from({n: {"int4": 10.0, "amx": 10.4} if n == 1 else {"int4": 10.0, "amx": 5.0} for n in xeon}) == 1
+    assert pick_amx_from({**xeon, 16: {"int4": 18.0, "amx": 18.56}}, mix=True) is None
     assert kernel_edges(KernelChoice(amx_from=8)) == (8,) and kernel_edges(KernelChoice(amx_from=1)) == ()
     assert kernel_edges(KernelChoice(16, 64, amx_from=4)) == (4, 16)

@@ -15,7 +15,7 @@ from core.text import render_prompt
 from core.config import SamplingConfig
 from core.service.factory import EngineSpec, load_tuned
 from models.cpu_quant import GROUP, TWINS, Int4Linear, Int8Linear, bf16_terms, quantize_cpu, quantized
-from tests.conftest import ROOT_ASSETS, tiny_llama
+from tests.conftest import ROOT_ASSETS, needs_onednn_bf16, tiny_llama
 
 HEAD = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct"
 
@@ -41,7 +41,7 @@ def test_int4_linear_is_the_matrix_it_encodes():
     torch.testing.assert_close(q(x), x @ w.T + dense.bias, atol=0.05, rtol=0.02)
 
 
-@pytest.mark.parametrize("kind", TWINS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=needs_onednn_bf16 if "bf16" in k else ()) for k in TWINS])
 def test_int4_twin_holds_the_kernels_own_weight_values(kind):
     """The fp32 twin of an int4 layer is the matrix the kernel computes with, exactly (read through
     the kernel, bf16-rounded, they agree bit for bit), and the bf16x3 twin splits it exactly, so a
@@ -71,6 +71,7 @@ def test_bf16_terms_split_fp32_exactly_or_refuse():
         bf16_terms(torch.tensor([[2.0 ** -120 * (1 + 2.0 ** -23)]]))  # its last bits underflow bf16
 
 
+@needs_onednn_bf16
 def test_onednn_bf16_linear_rounds_only_the_weights():
     dense = torch.nn.Linear(64, 96, bias=False)
     q = quantized(dense, "bf16", keep_weight=True)
@@ -158,12 +159,13 @@ def test_the_first_start_tunes_once_every_graph_is_stored(first_start, first_sta
 @pytest.mark.first_start("close")
 def test_embedded_int4_compiled_is_lossless_up_to_near_ties(first_start_tuned, cache_dir):
     """12 MT-bench prompts x 64 tokens: the tuned EAGLE engine's greedy text equals plain decoding's
-    on the same runner. The fp64 KV cache makes a tree's logits equal sequential decoding's, so
-    every answer matches; a difference starting at a logged near-tie would be allowed."""
+    on the same runner. The row attention kernel makes a tree's logits equal sequential decoding's
+    inside the compiled graphs too, so every answer matches; a difference starting at a logged
+    near-tie would be allowed."""
     loaded = load_tuned(EngineSpec(quant="int4", device="cpu", cache_dir=cache_dir, head=str(HEAD)))
     engine, tuner = loaded.engine, loaded.tuner
     print(f"graphs compiled or loaded in {loaded.compile_s:.1f} s")
-    assert engine.runner.compiled and engine.runner.exact and engine.target.quant == "int4"
+    assert engine.runner.compiled and engine.runner.exact and engine.runner.row_attention and engine.target.quant == "int4"
     greedy = SamplingConfig(max_new_tokens=64)
     ties_seen = exact = 0
     for prompt in load_prompts(ROOT_ASSETS / "bench" / "mt_bench.jsonl", 12):

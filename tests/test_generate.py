@@ -17,7 +17,7 @@ from core.train.distill import FRESH_START, FeatureShards, hf_generate, shuffled
 from core.train.batch_gen import PAD_SHARE, BatchGenerator, Capture, GenConfig, choose_batch, prefill_groups
 from core.train.row_cache import ROW_GROUPS, bands, use_row_group_attention
 from core.train.data import signature
-from tests.conftest import tiny_llama, tiny_target
+from tests.conftest import needs_onednn_bf16, tiny_llama, tiny_target
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 PREFIX = [11, 12, 13, 14, 15, 16]  # like a chat template's system block: shared by every prompt
@@ -97,6 +97,7 @@ def test_onednn_linear_is_the_same_linear():
 
 
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear")
+@needs_onednn_bf16
 def test_bf16x3_linear_keeps_the_weights_and_rounds_only_the_inputs():
     """The exact three-term split on bf16 dot products: dense's own weights applied to the inputs
     rounded to bf16 (only the order of fp32 sums differs), not dense on bf16-rounded weights."""

@@ -12,11 +12,11 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.service.factory import cpu_buckets
 from core.tune.kernels import (HEAD_WEIGHTS, PREFILL_FROM, WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice,
-                               choose_head_weights, choose_prefill, choose_wide_from, int4_layers, kernel_edges,
+                               choose_head_weights, choose_prefill, choose_wide_from, head_weights_here, int4_layers, kernel_edges,
                                machine_key, pick_tree_kernels, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
-from models.cpu_quant import TWINS, quantize_cpu
-from tests.conftest import random_head, tiny_llama, tiny_target
+from models.cpu_quant import TWINS, onednn_runs, quantize_cpu
+from tests.conftest import needs_onednn_bf16, random_head, tiny_llama, tiny_target
 
 
 def int4_target(seed: int = 1):
@@ -86,9 +86,10 @@ def test_head_weights_choice_needs_a_clear_win():
     assert choose_head_weights({"int8": 1.0, "int4": 0.96, "bf16": 0.95}.get)[0] == "int8"   # 5%: noise
     assert choose_head_weights({"int8": 1.0, "int4": 0.6, "bf16": 0.5}.get) == ("bf16", {"int8": 1.0, "int4": 0.6, "bf16": 0.5})
     assert choose_head_weights({"int8": 1.0, "int4": 0.7, "bf16": 1.4}.get)[0] == "int4"
+    assert head_weights_here() == (("int8", "int4", "bf16") if onednn_runs("bf16") else ("int8", "int4"))
 
 
-@pytest.mark.parametrize("weights", HEAD_WEIGHTS)
+@pytest.mark.parametrize("weights", [pytest.param(w, marks=needs_onednn_bf16 if w == "bf16" else ()) for w in HEAD_WEIGHTS])
 def test_every_head_weight_choice_drafts_and_stays_lossless(weights):
     target = int4_target()
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -128,15 +129,17 @@ def test_a_prefill_twin_is_timed_chosen_and_serves_only_prefills():
     bf16 step (the same weight values)."""
     target = int4_target()
     kind, ms = choose_prefill(target, free_bytes=1 << 40)
-    assert kind in ("int4", *TWINS) and set(ms) == {"int4", *TWINS} and all(v > 0 for v in ms.values())
+    here = {"int4", *(k for k in TWINS if onednn_runs(k))}        # bf16x3 needs AVX512-BF16-class oneDNN
+    assert kind in here and set(ms) == here and all(v > 0 for v in ms.values())
     assert all(layer.wide is None for layer in int4_layers(target))
     assert choose_prefill(target, free_bytes=0)[1].keys() == {"int4"}    # no twin fits: none timed
     runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 4), context=600))
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
     before = runner.prefill(ids, 0).logits
-    apply_wide(target, KernelChoice(None, 8, prefill="bf16x3"), prefills=False)   # the compile child's
+    twin = "bf16x3" if onednn_runs("bf16x3") else "fp32"
+    apply_wide(target, KernelChoice(None, 8, prefill=twin), prefills=False)   # the compile child's
     assert all(layer.wide is None for layer in int4_layers(target))
-    apply_wide(target, KernelChoice(None, 8, prefill="bf16x3"))
+    apply_wide(target, KernelChoice(None, 8, prefill=twin))
     assert all(layer.wide_from == PREFILL_FROM > max(WIDE_ROWS) for layer in int4_layers(target, decoder_only=True))
     assert target.model.get_output_embeddings().wide is None          # a prefill's LM head sees one row
     after = runner.prefill(ids, 0).logits

@@ -170,8 +170,9 @@ def test_compiled_engine_is_lossless(model, compiled):
 
 
 def test_exact_attention_makes_int4_trees_equal_sequential_decoding():
-    """With bf16 activations (int4 kernels) the fp64 cache keeps a tree's logits equal to one token
-    at a time, bit for bit (an fp32 cache differs by up to 0.375 on the embedded model)."""
+    """With bf16 activations (int4 kernels) fp64 SDPA over an fp64 cache (`--attention sdpa`) keeps
+    a tree's logits equal to one token at a time, bit for bit (fp32 SDPA differs by up to 0.375 on
+    the embedded model; the row kernel's exactness: tests/test_row_attention.py)."""
     from models.cpu_quant import quantize_cpu
     model = tiny_llama(seed=5, layers=2)
     quantize_cpu(model, "int4")

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from models.cpu_quant import OneDnnLinear
+from models.cpu_quant import OneDnnLinear, onednn_runs
 from models.target import Target
 
 
@@ -55,7 +55,7 @@ def onednn_is_faster(model, rows: int) -> bool:
 def fastest_batched_linear(model, rows: int) -> str:
     """For batched generation: "default", "fp32" (oneDNN), "bf16x3" or "bf16", whichever times
     fastest at `rows` rows here; a kind must save 10% over the best before it in that order."""
-    timed = linear_seconds(model, rows, BATCHED_KINDS)
+    timed = linear_seconds(model, rows, tuple(k for k in BATCHED_KINDS if onednn_runs(k)))
     best = "default"
     for kind in BATCHED_KINDS:
         if kind in timed and timed[kind] < 0.9 * timed[best]:

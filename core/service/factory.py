@@ -24,7 +24,7 @@ from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
 from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_target_kernel, apply_wide, cached_choice,
                                choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
-                               kernel_edges, machine_key, time_draft_steps, twin_fits)
+                               head_weights_here, kernel_edges, machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
                                profile_mismatch)
@@ -56,6 +56,8 @@ class EngineSpec:
     pins: Pins = Pins()               # what the user fixed; the tuner chooses the rest
     vram_reserve_gb: float = 0.5      # GPU memory left to other programs
     compile: bool = True              # compile the target's forward per tree bucket; False = eager (--no-compile)
+    attention: str = "rows"           # a CPU int4/int8 target's exact attention: one of models/quants.py ATTENTIONS
+    kernel_mix: bool = False          # trees may run on another 4-bit kernel than one token (--kernel-mix)
 
 
 # The tree of an engine built without a tuner (the bench's fixed strategies, tests), and the first drafter's before
@@ -134,7 +136,7 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: 
     3 s for the embedded model on the bf16x3 twin)."""
     target, onednn, placement = load_fast_target(spec, probe)
     strategy = resolved_strategy(spec)
-    rows = row_attention(target, spec.cache_dir, report)
+    rows = spec.attention == "rows" and row_attention(target, spec.cache_dir, report)
     kernels = cpu_kernels(target, spec, strategy, report, prefills, rows) if target.quant in CPU_QUANTS else None
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter()}
     if strategy == "eagle":
@@ -236,11 +238,12 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
     attention runs on the row kernel (`row_attention`), as the timed verifies do."""
     key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
            "head": head_identity(spec.head) if strategy == "eagle" else None, "amx_kernel": amx_source_digest(),
+           "mix": spec.kernel_mix,
            "attention": attention.source_digest(cpu_flags()) if rows else "sdpa"}
 
     def measure() -> KernelChoice:
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
-        amx_from, amx_ms = (choose_target_kernel(target, spec.cache_dir, report, rows) if target.quant == "int4"
+        amx_from, amx_ms = (choose_target_kernel(target, spec.cache_dir, report, rows, spec.kernel_mix) if target.quant == "int4"
                             else (None, {}))
         trees = (choose_wide_from(target, row_attention=rows) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
@@ -248,7 +251,8 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
                                else ("int4", {}))
         head, head_ms = "int8", {}
         if strategy == "eagle":
-            head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)))
+            head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)),
+                                                  head_weights_here())
         return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms,
                             amx_from, amx_ms)
 

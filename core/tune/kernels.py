@@ -33,7 +33,7 @@ from core.files import write_whole
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.tree import chain_tree
 from models import amx
-from models.cpu_quant import TWINS, Int4Linear
+from models.cpu_quant import TWINS, Int4Linear, onednn_runs
 from models.target import Target
 
 WIDE_ROWS = (8, 16, 32, 64)    # verify sizes where the fp32 twin may win; below them int4 always does
@@ -175,12 +175,12 @@ def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS, row_atte
 
 
 @torch.inference_mode()
-def choose_target_kernel(target: Target, cache_dir: Path, report=print,
-                         row_attention: bool = False) -> tuple[int | None, dict]:
+def choose_target_kernel(target: Target, cache_dir: Path, report=print, row_attention: bool = False,
+                         mix: bool = False) -> tuple[int | None, dict]:
     """From which verify size the target's int4 layers run on the AMX kernel (models/amx.py)
-    instead of torch's int4 one, by eager verifies of TARGET_ROWS tokens on each (`pick_amx_from`):
-    the same weight values either way, so each size takes the faster. -> (rows or None,
-    timings); leaves the layers on the choice. Says why where AMX cannot run."""
+    instead of torch's int4 one, by eager verifies of TARGET_ROWS tokens on each (`pick_amx_from`;
+    `mix`: whether sizes may differ). -> (rows or None, timings); leaves the layers on the
+    choice. Says why where AMX cannot run."""
     layers = int4_layers(target)
     try:
         amx.load(cache_dir, cpu_flags())
@@ -196,7 +196,7 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print,
         for layer in layers:
             layer.amx_from = 1 if kernel == "amx" else None
     best = time_verifies(target, {n: ("int4", "amx") for n in TARGET_ROWS}, setup, row_attention)
-    amx_from = pick_amx_from(best)
+    amx_from = pick_amx_from(best, mix)
     for layer in layers:
         if amx_from is None:
             layer.use_int4()
@@ -205,15 +205,19 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print,
     return amx_from, {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
 
 
-def pick_amx_from(best: dict) -> int | None:
+def pick_amx_from(best: dict, mix: bool = False) -> int | None:
     """best: rows -> {"int4": ms, "amx": ms} -> the first timed size from which AMX serves every
     larger one: where it saves 10% at that size and each above (1 row: where it costs at most 5%
-    more, since plain decoding lives there and a tree above it gains); None where it never does."""
+    more, since plain decoding lives there and a tree above it gains); None where it never does.
+    Without `mix` only 1 or None: both kernels hold the same weight values, but a tree summed in
+    AMX's order and one token in int4's part at near-ties (1 of 16 MT-bench prompts, 2-core Xeon),
+    so trees on AMX and one token on int4 is an option (--kernel-mix), not the default."""
     sizes = sorted(best)
 
     def wins(n: int) -> bool:
         return best[n]["amx"] <= (1.05 if n == 1 else WIN) * best[n]["int4"]
-    return next((n for i, n in enumerate(sizes) if all(wins(m) for m in sizes[i:])), None)
+    first = next((n for i, n in enumerate(sizes) if all(wins(m) for m in sizes[i:])), None)
+    return first if mix or first == sizes[0] else None
 
 
 def apply_target_kernel(target: Target, choice: KernelChoice, cache_dir: Path) -> None:
@@ -253,7 +257,7 @@ def choose_prefill(target: Target, free_bytes: int, row_attention: bool = False)
     ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (PREFILL_ROWS,),
                         generator=torch.Generator().manual_seed(0)).tolist()
     ms = {}
-    for kind in ("int4", *(k for k in TWINS if twin_fits(target, free_bytes, k, decoder_only=True))):
+    for kind in ("int4", *(k for k in TWINS if onednn_runs(k) and twin_fits(target, free_bytes, k, decoder_only=True))):
         try:
             for layer in layers if kind != "int4" else ():
                 layer.widen(from_rows=PREFILL_FROM, kind=kind)
@@ -308,13 +312,18 @@ def apply_wide(target: Target, choice: KernelChoice, prefills: bool = True) -> N
 
 
 @torch.inference_mode()
-def choose_head_weights(time_step) -> tuple[str, dict]:
+def choose_head_weights(time_step, weights: tuple[str, ...] = HEAD_WEIGHTS) -> tuple[str, dict]:
     """time_step(quant) -> ms of the drafter's first head steps with its weights in `quant`; -> the
-    fastest of HEAD_WEIGHTS if it saves 10% over int8 (else int8: noise must not flip it), and
-    every timing."""
-    ms = {quant: round(time_step(quant), 3) for quant in HEAD_WEIGHTS}
+    fastest of `weights` (int8 among them; `head_weights_here`) if it saves 10% over int8 (else
+    int8: noise must not flip it), and every timing."""
+    ms = {quant: round(time_step(quant), 3) for quant in weights}
     best = min(ms, key=ms.get)
     return (best if ms[best] < WIN * ms["int8"] else "int8"), ms
+
+
+def head_weights_here() -> tuple[str, ...]:
+    """The HEAD_WEIGHTS this CPU runs (bf16 only where oneDNN has bf16 GEMMs)."""
+    return tuple(quant for quant in HEAD_WEIGHTS if onednn_runs(quant))
 
 
 EVICT_BYTES = 64 << 20   # more than any CPU's last-level cache here (32 MiB): a verify's weights do this
