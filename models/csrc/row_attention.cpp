@@ -6,9 +6,9 @@
 // k, v (H, C, D): the cache, of which the first Lk rows are read; mask (N, Lk) additive (0 sees,
 // a large negative number blocks). out (H, R, D) = softmax(q k^T * scale + mask) v.
 //
-// Per row: s_j = hsum(q . k_j) * scale + mask_j, with lane l of the dot summing d = l, l+16, ...
-// and hsum a fixed tree; m = max s; p_j = exp(s_j - m), summed in lanes j mod 16 then the same
-// tree; out = (sum of p_j v_j in order of j) / sum p. A blocked column gives p_j = 0 exactly, so a
+// Per row: s_j = hsum(q . k_j) * scale + mask_j, with lane l of the dot summing d = l, l+L, ...
+// (L lanes: 16 on AVX-512, 8 on AVX2) and hsum a fixed tree; m = max s; p_j = exp(s_j - m), summed
+// in lanes j mod L then the same tree; out = (sum of p_j v_j in order of j) / sum p. A blocked column gives p_j = 0 exactly, so a
 // row's value depends only on the columns it sees: the same whether it comes in a tree of many
 // rows or alone, whatever Lk's padding.
 #include <algorithm>
@@ -22,73 +22,78 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int i16 __attribute__((vector_size(64)));
+// The lanes of one vector: the widest this build's instruction set has (GCC splits a wider vector
+// type into pieces, and lowers some of its operations to scalar code: 8x slower on AVX2 alone).
+#if defined(__AVX512F__)
+constexpr int L = 16;
+#elif defined(__AVX__)
+constexpr int L = 8;
+#else
+constexpr int L = 4;
+#endif
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int vi __attribute__((vector_size(4 * L)));
 
-inline float hsum(v16 a) {  // (lanes 0-7 + 8-15), then halves again: one fixed order
-  v8 lo, hi;
-  std::memcpy(&lo, &a, 32);
-  std::memcpy(&hi, reinterpret_cast<char*>(&a) + 32, 32);
-  const v8 s8 = lo + hi;
-  v4 l4, h4;
-  std::memcpy(&l4, &s8, 16);
-  std::memcpy(&h4, reinterpret_cast<const char*>(&s8) + 16, 16);
-  const v4 s4 = l4 + h4;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+inline float hsum(vf a) {  // lanes [0, L/2) + [L/2, L), then halves again: one fixed order
+  float t[L];
+  std::memcpy(t, &a, sizeof a);
+  for (int w = L / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; l++) t[l] += t[l + w];
+  return t[0];
 }
 
-inline v16 splat(float x) { return v16{} + x; }
+inline vf splat(float x) { return vf{} + x; }
 
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, 64);
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
   return v;
 }
 
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
 // exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6
 // (relative error ~2e-7); 0 below -87.3, where 2^n leaves fp32's normal range.
-inline v16 exp_nonpositive(v16 x) {
-  const i16 live = x >= splat(-87.3f);
+inline vf exp_nonpositive(vf x) {
+  const vi live = x >= splat(-87.3f);
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  const i16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, i16);  // truncating t - 0.5 rounds t <= 0 to nearest
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = (x - nf * 0.693145752f) - nf * 1.42860677e-06f;
-  v16 p = splat(1.0f / 720);
+  const vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);  // truncating t - 0.5 rounds t <= 0 to nearest
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = (x - nf * 0.693145752f) - nf * 1.42860677e-06f;
+  vf p = splat(1.0f / 720);
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const i16 scale = (n + 127) << 23;
-  v16 two_n;
-  std::memcpy(&two_n, &scale, 64);
-  const v16 y = p * two_n;
-  i16 bits;
-  std::memcpy(&bits, &y, 64);
+  const vi scale = (n + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &scale, sizeof two_n);
+  const vf y = p * two_n;
+  vi bits;
+  std::memcpy(&bits, &y, sizeof bits);
   bits &= live;
-  v16 e;
-  std::memcpy(&e, &bits, 64);
+  vf e;
+  std::memcpy(&e, &bits, sizeof e);
   return e;
 }
 
-// B <= 4 query rows of one head, sharing each k_j and v_j load: q[b], out[b] (D,) with D = 16 C;
+// B <= 4 query rows of one head, sharing each k_j and v_j load: q[b], out[b] (D,), D = C L;
 // k, v (Lk, D); mask[b] (Lk,); s[b] scratch (Lk rounded up to 16). Each row's arithmetic is its own.
-template <int C, int B>
+template <int D, int B>
 void rows_of(const float* const* q, const float* k, const float* v, const float* const* mask, float* const* out,
              float* const* s, int64_t lk, float scale) {
-  constexpr int D = 16 * C;
+  constexpr int C = D / L;
   const int64_t padded = (lk + 15) / 16 * 16;
-  v16 qv[B][C];
+  vf qv[B][C];
   for (int b = 0; b < B; b++)
-    for (int c = 0; c < C; c++) qv[b][c] = load(q[b] + 16 * c);
+    for (int c = 0; c < C; c++) qv[b][c] = load(q[b] + L * c);
   for (int64_t j = 0; j < lk; j++) {
-    v16 key[C];
-    for (int c = 0; c < C; c++) key[c] = load(k + j * D + 16 * c);
+    vf key[C];
+    for (int c = 0; c < C; c++) key[c] = load(k + j * D + L * c);
     for (int b = 0; b < B; b++) {
-      v16 acc = qv[b][0] * key[0];
+      vf acc = qv[b][0] * key[0];
       for (int c = 1; c < C; c++) acc += qv[b][c] * key[c];
       s[b][j] = hsum(acc) * scale + mask[b][j];
     }
@@ -96,46 +101,43 @@ void rows_of(const float* const* q, const float* k, const float* v, const float*
   float sum[B];
   for (int b = 0; b < B; b++) {
     for (int64_t j = lk; j < padded; j++) s[b][j] = -3.0e38f;
-    v16 top = load(s[b]);
-    for (int64_t j = 16; j < padded; j += 16) {
-      const v16 x = load(s[b] + j);
+    vf top = load(s[b]);
+    for (int64_t j = L; j < padded; j += L) {
+      const vf x = load(s[b] + j);
       top = x > top ? x : top;
     }
     float m = top[0];
-    for (int l = 1; l < 16; l++) m = top[l] > m ? top[l] : m;
-    v16 total{};
-    for (int64_t j = 0; j < padded; j += 16) {
-      const v16 p = exp_nonpositive(load(s[b] + j) - m);
-      std::memcpy(s[b] + j, &p, 64);
+    for (int l = 1; l < L; l++) m = top[l] > m ? top[l] : m;
+    vf total{};
+    for (int64_t j = 0; j < padded; j += L) {
+      const vf p = exp_nonpositive(load(s[b] + j) - m);
+      store(s[b] + j, p);
       total += p;
     }
     sum[b] = hsum(total);
   }
   // A blocked column's p is 0 and its cached v finite: adding 0 * v leaves a row's sum as it was.
-  v16 acc[B][C] = {};
+  vf acc[B][C] = {};
   for (int64_t j = 0; j < lk; j++) {
-    v16 val[C];
-    for (int c = 0; c < C; c++) val[c] = load(v + j * D + 16 * c);
+    vf val[C];
+    for (int c = 0; c < C; c++) val[c] = load(v + j * D + L * c);
     for (int b = 0; b < B; b++) {
-      const v16 p = splat(s[b][j]);
+      const vf p = splat(s[b][j]);
       for (int c = 0; c < C; c++) acc[b][c] += p * val[c];
     }
   }
   for (int b = 0; b < B; b++)
-    for (int c = 0; c < C; c++) {
-      const v16 o = acc[b][c] / sum[b];
-      std::memcpy(out[b] + 16 * c, &o, 64);
-    }
+    for (int c = 0; c < C; c++) store(out[b] + L * c, acc[b][c] / sum[b]);
 }
 
-template <int C>
+template <int D>
 void rows_for(int B, const float* const* q, const float* k, const float* v, const float* const* mask, float* const* out,
               float* const* s, int64_t lk, float scale) {
   switch (B) {
-    case 1: return rows_of<C, 1>(q, k, v, mask, out, s, lk, scale);
-    case 2: return rows_of<C, 2>(q, k, v, mask, out, s, lk, scale);
-    case 3: return rows_of<C, 3>(q, k, v, mask, out, s, lk, scale);
-    default: return rows_of<C, 4>(q, k, v, mask, out, s, lk, scale);
+    case 1: return rows_of<D, 1>(q, k, v, mask, out, s, lk, scale);
+    case 2: return rows_of<D, 2>(q, k, v, mask, out, s, lk, scale);
+    case 3: return rows_of<D, 3>(q, k, v, mask, out, s, lk, scale);
+    default: return rows_of<D, 4>(q, k, v, mask, out, s, lk, scale);
   }
 }
 
@@ -172,14 +174,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       const float *kh = kp + h * cache_rows * d, *vh = vp + h * cache_rows * d;
       switch (d / 16) {
-        case 1: rows_for<1>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 2: rows_for<2>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 3: rows_for<3>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 4: rows_for<4>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 5: rows_for<5>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 6: rows_for<6>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 7: rows_for<7>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        default: rows_for<8>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        case 1: rows_for<16>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        case 2: rows_for<32>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        case 3: rows_for<48>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        case 4: rows_for<64>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        case 5: rows_for<80>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        case 6: rows_for<96>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        case 7: rows_for<112>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        default: rows_for<128>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
       }
     }
   });
