@@ -7,7 +7,9 @@ cost most of a small model's verify (SmolLM2-135M, 2-core Xeon, one layer, Lk 51
 for one token's 3 folded rows per KV head and 385 for eight tokens', fp32 52 and 142). This kernel
 computes every row alone in one fixed order (the source says which), in fp32 from an fp32 cache:
 exact in the sense that matters (a row's value does not depend on the rows beside it or on the
-padding of Lk) at fp32's cost. Built for the CPU's vector width: AVX-512, AVX2 or plain SSE.
+padding of Lk). Built for the CPU's vector width: AVX-512, AVX2 or plain SSE. One layer's call
+for SmolLM2-135M (3 KV heads x 3 query heads each), us, 1 / 8 tokens: 2-core EPYC with AVX2, Lk
+128: 15 / 53 against fp64 SDPA's 95 / 176; Lk 512: 34 / 155 against 182 / 444.
 """
 
 from collections.abc import Iterable

@@ -7,6 +7,6 @@ the CPU's default, see models/cpu_quant.py); none = the compute dtype (fp32 on C
 
 QUANTS = ("nf4", "int4", "int8", "none")
 CPU_QUANTS = ("int4", "int8")
-# A CPU_QUANTS target's exact attention (core/runtime/runner.py): the fp32 row kernel
-# (models/attention.py) or torch's SDPA in fp64; both give a tree's rows one token's values.
-ATTENTIONS = ("rows", "sdpa")
+# A CPU_QUANTS target's attention (core/runtime/runner.py): torch's SDPA in fp64 (the default,
+# exact) or the fp32 row kernel (models/attention.py; exact eagerly, not yet in compiled graphs).
+ATTENTIONS = ("sdpa", "rows")

@@ -213,7 +213,7 @@ def build(jobs: Sequence[GraphJob], folder: Path, report=None, stored=None, adop
             t0 = time.perf_counter()
             if report is not None:
                 report(f"compiling {job.label} ({missing.index(job.name) + 1} of {len(missing)}, {t0 - start:.0f} s so far; "
-                       "a first start compiles each in under a minute, later starts load them)")
+                       "once per machine: 1-2 minutes each on 2 busy cores; later starts load them)")
             precompile(job, folder)
             if stored is not None:
                 stored(job.name, time.perf_counter() - t0)
