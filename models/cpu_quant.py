@@ -27,11 +27,13 @@ Xeon with AMX: int4 5.7 ms, fp32 twin 2.9, bf16x3 1.4). 6 bytes per weight: for 
 import torch
 from torch import nn
 
+from models import q4_rows
 from models.amx import pack as amx_pack
 from models.quants import CPU_QUANTS
 
 GROUP = 32
 TWINS = ("fp32", "bf16x3")
+KERNELS = ("int4", "amx", "rows")   # torch's int4 kernel, Aerie's AMX one (models/amx.py), q4_rows (models/q4_rows.py)
 
 
 @torch.library.custom_op("aerie::onednn_linear", mutates_args=())
@@ -65,8 +67,9 @@ class Int4Linear(nn.Module):
         self.wide_from: int | None = None                          # rows from which `wide` computes
         self.wide_kind = "fp32"                                      # which of TWINS `wide` holds
         self.register_buffer("wide", None)                          # the same weights, fp32, packed for oneDNN
-        self.amx_from: int | None = None                           # rows from which the AMX kernel computes
-        for name in ("amx_codes", "amx_d", "amx_z"):                 # the same weights for it (use_amx)
+        self.kernel = "int4"           # the 4-bit kernel computing calls of `kernel_from` rows or more: one of KERNELS
+        self.kernel_from = 1           # (fewer rows: torch's int4 kernel)
+        for name in ("amx_codes", "amx_d", "amx_z", "rows_codes"):   # the same weights for AMX / q4_rows (use_kernel)
             self.register_buffer(name, None)
         if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice)
             self.weight = linear.weight
@@ -76,6 +79,8 @@ class Int4Linear(nn.Module):
         zero 8 it computes (q - 8) + 8 = q, and an identity input reads them out (integers up to 15
         are exact in bf16)."""
         k, n = self.in_features, self.out_features
+        if self.packed is None:        # q4_rows alone holds them (use_kernel)
+            return q4_rows.unpack(self.rows_codes, n, k)
         groups = self.scale_zero.shape[0]
         unit = torch.stack([torch.ones(groups, n), torch.full((groups, n), 8.0)], -1).bfloat16()
         codes = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), self.packed, GROUP, unit)
@@ -86,21 +91,36 @@ class Int4Linear(nn.Module):
         scale, zero = (self.scale_zero[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))  # (N, K)
         return (self.codes().float() - 8) * scale + zero
 
-    def use_amx(self, from_rows: int = 1) -> None:
-        """Compute calls of `from_rows` rows or more on the AMX kernel (models/amx.py, loaded first)
-        from the same codes, scales and zeros: the same weight values, its output rounded to bf16
-        as the int4 kernel's is, so only the order of the fp32 sums differs. Where a shape does
-        not suit it (K a multiple of 64, N of 16), raise ValueError."""
-        if self.in_features % 64 or self.out_features % 16:
-            raise ValueError(f"a {self.in_features}x{self.out_features} linear does not fit the AMX kernel's tiles")
-        if self.amx_codes is None:
+    def use_kernel(self, kernel: str, from_rows: int = 1, free: bool = True) -> None:
+        """Compute calls of `from_rows` rows or more on `kernel` (one of KERNELS; amx and rows from
+        models/amx.py and models/q4_rows.py, loaded first) from the same codes, scales and zeros:
+        the same weight values, the output rounded to bf16 as the int4 kernel's is, so only the
+        order of the fp32 sums differs. `free`: drop the copies no kernel in use needs (torch's
+        own where q4_rows serves every size); without it, copies stay for switching back. Where
+        a shape does not suit the kernel, raise ValueError."""
+        if kernel not in KERNELS:
+            raise ValueError(f"a 4-bit kernel is one of {KERNELS}, not {kernel!r}")
+        k, n = self.in_features, self.out_features
+        if kernel == "amx" and self.amx_codes is None:
+            if k % 64 or n % 16:
+                raise ValueError(f"a {k}x{n} linear does not fit the AMX kernel's tiles")
             packed = amx_pack(self.codes(), self.scale_zero[..., 0], self.scale_zero[..., 1])
             self.amx_codes, self.amx_d, self.amx_z = packed.codes, packed.d, packed.z
-        self.amx_from = from_rows
+        if kernel == "rows" and self.rows_codes is None:
+            if not q4_rows.fits(k, n):
+                raise ValueError(f"a {k}x{n} linear does not fit the q4_rows kernel's vectors")
+            self.rows_codes = q4_rows.pack(self.codes())
+        if free and self.packed is None and not (kernel == "rows" and from_rows == 1):
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().int(), 1)
+        self.kernel, self.kernel_from = kernel, from_rows
+        if free:
+            self.amx_codes, self.amx_d, self.amx_z = (self.amx_codes, self.amx_d, self.amx_z) if kernel == "amx" else (None,) * 3
+            self.rows_codes = self.rows_codes if kernel == "rows" else None
+            self.packed = None if kernel == "rows" and from_rows == 1 else self.packed
 
     def use_int4(self) -> None:
-        """Back to torch's int4 kernel at every row count, freeing the AMX kernel's copy."""
-        self.amx_codes = self.amx_d = self.amx_z = self.amx_from = None
+        """Back to torch's int4 kernel at every row count, freeing the other kernels' copies."""
+        self.use_kernel("int4")
 
     def widen(self, from_rows: int, kind: str = "fp32", pack_rows: int = 32) -> None:
         """Compute calls of `from_rows` rows or more on oneDNN over `dequantized()`: its fp32
@@ -119,8 +139,10 @@ class Int4Linear(nn.Module):
         # A compiled graph's rows are fixed or within a range no kernel switch splits: one kernel per graph.
         if self.wide_from is not None and rows.shape[0] >= self.wide_from:
             y = onednn_matmul(rows, self.wide, self.out_features, self.wide_kind).to(torch.bfloat16)
-        elif self.amx_from is not None and rows.shape[0] >= self.amx_from:
+        elif self.kernel == "amx" and rows.shape[0] >= self.kernel_from:
             y = torch.ops.aerie_amx.q41_mm(rows, self.amx_codes, self.amx_d, self.amx_z, self.out_features).to(torch.bfloat16)
+        elif self.kernel == "rows" and rows.shape[0] >= self.kernel_from:
+            y = q4_rows.matmul(rows, self.rows_codes, self.scale_zero, self.out_features).to(torch.bfloat16)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -29,8 +29,7 @@ from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
                                profile_mismatch)
 from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
-from models import attention
-from models.amx import AmxUnavailable
+from models import attention, q4_rows
 from models.amx import source_digest as amx_source_digest
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
 from models.head_config import head_config_for_target
@@ -209,7 +208,7 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
     runner = engine.runner
     key = {"graphs_version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
            "quant": engine.target.quant, "dtype": str(engine.target.dtype),
-           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "amx_from": kernels.amx_from} if kernels else None,
+           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "kernel": kernels.kernel} if kernels else None,
            "head": head_identity(spec.head) if runner.feature_layers else None,
            "attention": attention.source_digest(cpu_flags()) if runner.row_attention else "sdpa",
            "kv": str(runner.cache.layers[0].keys.dtype), "buckets": list(runner.buckets), "capacity": runner.capacity,
@@ -240,13 +239,14 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
     attention runs on the row kernel (`row_attention`), as the timed verifies do."""
     key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
            "head": head_identity(spec.head) if strategy == "eagle" else None, "amx_kernel": amx_source_digest(),
+           "q4_rows": q4_rows.source_digest(cpu_flags()),
            "mix": spec.kernel_mix,
            "attention": attention.source_digest(cpu_flags()) if rows else "sdpa"}
 
     def measure() -> KernelChoice:
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
-        amx_from, amx_ms = (choose_target_kernel(target, spec.cache_dir, report, rows, spec.kernel_mix) if target.quant == "int4"
-                            else (None, {}))
+        kernel, kernel_from, kernel_ms = (choose_target_kernel(target, spec.cache_dir, report, rows, spec.kernel_mix)
+                                          if target.quant == "int4" else ("int4", 1, {}))
         trees = (choose_wide_from(target, row_attention=rows) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
         prefill, prefill_ms = (choose_prefill(target, psutil.virtual_memory().available, rows) if target.quant == "int4"
@@ -256,15 +256,15 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)),
                                                   head_weights_here())
         return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms,
-                            amx_from, amx_ms)
+                            kernel, kernel_from, kernel_ms)
 
     choice, cached = cached_choice(spec.cache_dir, key, measure)
     if cached:
         try:
             apply_target_kernel(target, choice, spec.cache_dir)
-        except AmxUnavailable as e:   # chosen here once, gone now (a compiler removed): say so, run int4
-            report(f"Aerie: the AMX kernel chosen for this machine cannot load ({e}); the target runs on int4.")
-            choice = replace(choice, amx_from=None)
+        except NativeUnavailable as e:   # chosen here once, gone now (a compiler removed): say so, run int4
+            report(f"Aerie: the {choice.kernel} kernel chosen for this machine cannot load ({e}); the target runs on int4.")
+            choice = replace(choice, kernel="int4", kernel_from=1)
     apply_wide(target, choice, prefills)
     return choice
 

@@ -32,8 +32,9 @@ import torch
 from core.files import write_whole
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.tree import chain_tree
-from models import amx
+from models import amx, q4_rows
 from models.cpu_quant import TWINS, Int4Linear, onednn_runs
+from models.native import NativeUnavailable
 from models.target import Target
 
 WIDE_ROWS = (8, 16, 32, 64)    # verify sizes where the fp32 twin may win; below them int4 always does
@@ -45,8 +46,9 @@ PAYING_TOKENS = 3.0
 HEAD_WEIGHTS = ("int8", "int4", "bf16")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
-VERSION = 5
-TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on torch's int4 kernel against the AMX one
+VERSION = 6
+TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on each 4-bit kernel
+KERNEL_NAMES = {"int4": "int4", "amx": "AMX 4-bit", "rows": "q4_rows"}
 PREFILL_ROWS = 512             # one prefill chunk (core/runtime/runner.py PREFILL_CHUNK)
 PREFILL_FROM = max(WIDE_ROWS) + 1   # a prefill's twin serves calls past every verify bucket
 TWIN_BYTES = {"fp32": 4, "bf16x3": 6}   # per weight
@@ -61,13 +63,15 @@ class KernelChoice:
     verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies (1: int4)
     head_ms: dict = field(default_factory=dict)      # head weights -> ms of a head step at 4 rows
     prefill_ms: dict = field(default_factory=dict)   # kernel -> ms of a 512-token eager prefill
-    # Rows from which the target's int4 layers run on the AMX kernel (models/amx.py) instead of
-    # torch's int4 one: the same weight values. verify_ms' and prefill_ms' "int4" were timed on the mix.
-    amx_from: int | None = None
-    target_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "amx": ms}, eager verifies
+    # The 4-bit kernel the target's int4 layers run on from `kernel_from` rows (below: torch's int4):
+    # one of KERNELS, the same weight values. verify_ms' and prefill_ms' "int4" were timed on it.
+    kernel: str = "int4"
+    kernel_from: int = 1
+    target_ms: dict = field(default_factory=dict)    # rows -> {kernel: ms}, eager verifies
 
     def describe(self) -> str:
-        kernel = {None: "int4", 1: "AMX 4-bit"}.get(self.amx_from, f"int4, AMX 4-bit from {self.amx_from} rows")
+        name = KERNEL_NAMES[self.kernel]
+        kernel = name if self.kernel_from == 1 else f"int4, {name} from {self.kernel_from} rows"
         wide = f"{kernel}, fp32 twin from {self.wide_from} rows" if self.wide_from else f"{kernel} at every size"
         prefill = "" if self.prefill == "int4" or self.wide_from else f", prefill on the {self.prefill} twin"
         return f"target {wide}, trees up to {self.largest}{prefill}; head {self.head}"
@@ -159,7 +163,7 @@ def time_verifies(target: Target, kernels: dict, setup, row_attention: bool = Fa
 @torch.inference_mode()
 def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS, row_attention: bool = False) -> TreeKernels:
     """Time eager verifies of 1 token and of `rows` tokens with every int4 layer on its kernel
-    ("int4": torch's or the AMX one, as set) and on its fp32 twin; -> where the twin wins and how
+    ("int4": the 4-bit one set, KernelChoice.kernel) and on its fp32 twin; -> where the twin wins and how
     big a tree can pay. Leaves every layer on its kernel and drops the twins."""
     layers = int4_layers(target)
     for layer in layers:
@@ -174,59 +178,80 @@ def choose_wide_from(target: Target, rows: tuple[int, ...] = WIDE_ROWS, row_atte
     return pick_tree_kernels(best, rows)
 
 
+def load_kernel(kernel: str, cache_dir: Path) -> None:
+    """Build (once per machine) and load a 4-bit kernel of KERNELS; raises NativeUnavailable with
+    the reason where this machine cannot run it."""
+    if kernel == "amx":
+        amx.load(cache_dir, cpu_flags())
+    elif kernel == "rows":
+        q4_rows.load(cache_dir, cpu_flags())
+
+
 @torch.inference_mode()
 def choose_target_kernel(target: Target, cache_dir: Path, report=print, row_attention: bool = False,
-                         mix: bool = False) -> tuple[int | None, dict]:
-    """From which verify size the target's int4 layers run on the AMX kernel (models/amx.py)
-    instead of torch's int4 one, by eager verifies of TARGET_ROWS tokens on each (`pick_amx_from`;
-    `mix`: whether sizes may differ). -> (rows or None, timings); leaves the layers on the
-    choice. Says why where AMX cannot run."""
+                         mix: bool = False) -> tuple[str, int, dict]:
+    """Which 4-bit kernel the target's int4 layers run on: torch's, AMX (models/amx.py) or
+    q4_rows (models/q4_rows.py), each built where it can be, by eager verifies of TARGET_ROWS
+    tokens on each (`pick_kernel`; `mix`: whether AMX may serve trees beside int4's one token).
+    -> (kernel, from rows, timings); leaves the layers on the choice. Says why a kernel cannot run."""
     layers = int4_layers(target)
-    try:
-        amx.load(cache_dir, cpu_flags())
-        for layer in layers:
-            layer.use_amx()
-    except (amx.AmxUnavailable, ValueError) as e:
-        for layer in layers:   # a shape that does not fit leaves none on AMX, not those before it
-            layer.use_int4()
-        report(f"Aerie: the target's linears run on torch's int4 kernel: no AMX kernel here ({e}).")
-        return None, {}
+    kernels = ["int4"]
+    for kernel in ("rows", "amx"):
+        try:
+            load_kernel(kernel, cache_dir)
+            for layer in layers:
+                layer.use_kernel(kernel, free=False)
+            kernels.append(kernel)
+        except (NativeUnavailable, ValueError) as e:
+            report(f"Aerie: no {KERNEL_NAMES[kernel]} kernel for the target here ({e}).")
+    if len(kernels) == 1:
+        return "int4", 1, {}
 
     def setup(kernel: str) -> None:
         for layer in layers:
-            layer.amx_from = 1 if kernel == "amx" else None
-    best = time_verifies(target, {n: ("int4", "amx") for n in TARGET_ROWS}, setup, row_attention)
-    amx_from = pick_amx_from(best, mix)
+            layer.use_kernel(kernel, free=False)
+    best = time_verifies(target, {n: tuple(kernels) for n in TARGET_ROWS}, setup, row_attention)
+    kernel, from_rows = pick_kernel(best, mix)
     for layer in layers:
-        if amx_from is None:
-            layer.use_int4()
-        else:
-            layer.use_amx(amx_from)
-    return amx_from, {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
+        layer.use_kernel(kernel, from_rows)
+    return kernel, from_rows, {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
 
 
-def pick_amx_from(best: dict, mix: bool = False) -> int | None:
+def pick_kernel(best: dict, mix: bool = False) -> tuple[str, int]:
+    """best: rows -> {kernel: ms} -> (kernel, from rows). A kernel serves every size where its
+    verifies at all sizes together save 10% over int4's and its one token costs at most 5% more
+    (plain decoding lives there); the fastest such, else int4. With `mix`, where none does, AMX
+    may serve from the first size from which it wins at each (`pick_amx_from`): a tree summed in
+    AMX's order and one token in int4's part at near-ties (1 of 16 MT-bench prompts, 2-core
+    Xeon), so that is an option (--kernel-mix), never the default."""
+    sizes = sorted(best)
+    total = {k: sum(best[n][k] for n in sizes) for k in best[sizes[0]]}
+    serving = [k for k in total if k != "int4" and best[sizes[0]][k] <= 1.05 * best[sizes[0]]["int4"]
+               and total[k] <= WIN * total["int4"]]
+    if serving:
+        return min(serving, key=total.get), 1
+    first = pick_amx_from(best) if mix and "amx" in total else None
+    return ("amx", first) if first is not None else ("int4", 1)
+
+
+def pick_amx_from(best: dict) -> int | None:
     """best: rows -> {"int4": ms, "amx": ms} -> the first timed size from which AMX serves every
     larger one: where it saves 10% at that size and each above (1 row: where it costs at most 5%
-    more, since plain decoding lives there and a tree above it gains); None where it never does.
-    Without `mix` only 1 or None: both kernels hold the same weight values, but a tree summed in
-    AMX's order and one token in int4's part at near-ties (1 of 16 MT-bench prompts, 2-core Xeon),
-    so trees on AMX and one token on int4 is an option (--kernel-mix), not the default."""
+    more); None where it never does."""
     sizes = sorted(best)
 
     def wins(n: int) -> bool:
         return best[n]["amx"] <= (1.05 if n == 1 else WIN) * best[n]["int4"]
-    first = next((n for i, n in enumerate(sizes) if all(wins(m) for m in sizes[i:])), None)
-    return first if mix or first == sizes[0] else None
+    return next((n for i, n in enumerate(sizes) if all(wins(m) for m in sizes[i:])), None)
 
 
 def apply_target_kernel(target: Target, choice: KernelChoice, cache_dir: Path) -> None:
-    """Put the target's int4 layers on the kernels `choice` names (raises AmxUnavailable where AMX
+    """Put the target's int4 layers on the kernel `choice` names (raises NativeUnavailable where it
     was chosen on this machine once and cannot be loaded now)."""
-    if choice.amx_from is not None:
-        amx.load(cache_dir, cpu_flags())
+    if choice.kernel != "int4":
+        load_kernel(choice.kernel, cache_dir)
         for layer in int4_layers(target):
-            layer.use_amx(choice.amx_from)
+            layer.use_kernel(choice.kernel, choice.kernel_from)
 
 
 def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
@@ -294,11 +319,11 @@ def twin_of(choice: KernelChoice) -> Twin | None:
 
 
 def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
-    """The row counts from which the target's linears run on another kernel (a twin, AMX): no
+    """The row counts from which the target's linears run on another kernel (a twin, AMX's mix): no
     graph may span one (core/runtime/graphs.py `row_groups`)."""
     twin = twin_of(choice)
     edges = {twin.from_rows} if twin is not None else set()
-    return tuple(sorted(edges | ({choice.amx_from} if choice.amx_from not in (None, 1) else set())))
+    return tuple(sorted(edges | ({choice.kernel_from} if choice.kernel_from != 1 else set())))
 
 
 def apply_wide(target: Target, choice: KernelChoice, prefills: bool = True) -> None:

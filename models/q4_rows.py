@@ -1,0 +1,64 @@
+"""A 4-bit linear whose rows are each computed alone, in one order (models/csrc/q4_rows.cpp).
+
+torch's int4 CPU kernel takes its rows in blocks of 4 and sums each block in an order of its own,
+so a tree's row and the same token verified alone can differ in the last bits: greedy texts then
+part at near-ties, and it dequantizes every weight again for each 4 rows, so its cost grows with
+the tree. This kernel holds the same weight values (torch's int4 codes, scales and zeros:
+fma(c - 8, d, z) in fp32), puts outputs in vector lanes and sums each over its inputs in order,
+so a row's output is the same bits alone or in a tree of any size, and it keeps each
+dequantized weight in registers for up to 6 rows with enough independent sums to keep an FMA unit
+busy even at one row. Outputs are fp32 (rounded to bf16 by its caller, as int4's are).
+
+One linear, hot, 2-core AMD EPYC with AVX2 alone (ms at 1 / 2 / 4 / 8 / 16 rows): 576x1536
+0.065 / 0.089 / 0.134 / 0.277 / 0.505 against int4's 0.088 / 0.117 / 0.172 / 0.374 / 0.628; the
+576x49152 LM head 2.02 / 2.88 / 4.48 / 9.12 / 16.5 against 2.56 / 3.52 / 5.03 / 9.80 / 21.0.
+Built per machine (models/native.py) for its widest vectors: AVX-512, AVX2 or SSE.
+"""
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from models.native import CSRC, build, digest
+
+NAME = "q4_rows"
+
+
+def compiler_flags(cpu_flags: Iterable[str]) -> tuple[str, ...]:
+    """The widest vectors and FMAs this CPU has (each output's sum is one chain of FMAs in any build)."""
+    flags = set(cpu_flags)
+    return ("-mavx512f", "-mavx512vl", "-mfma") if "avx512f" in flags else ("-mavx2", "-mfma") if "avx2" in flags else ()
+
+
+def source_digest(cpu_flags: Iterable[str]) -> str:
+    """What the kernel built for this CPU depends on (models/native.py `digest`)."""
+    return digest(CSRC / f"{NAME}.cpp", compiler_flags(cpu_flags))
+
+
+def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
+    """Make `torch.ops.aerie_q4` available (built once into `cache_dir`); raises NativeUnavailable
+    with the reason where it cannot be built."""
+    if build(NAME, compiler_flags(cpu_flags), cache_dir):
+        torch.library.register_fake("aerie_q4::mm", lambda x, codes, scale_zero, n: x.new_empty(x.shape[0], n, dtype=torch.float32))
+
+
+def fits(in_features: int, out_features: int) -> bool:
+    """Whether a linear's shape suits the kernel: whole groups of 32 inputs, whole vectors of outputs."""
+    return in_features % 32 == 0 and out_features % torch.ops.aerie_q4.block_outputs() == 0
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) 4-bit codes 0..15 -> the kernel's layout: per vector of outputs, per 8 inputs, one int32 per output."""
+    return torch.ops.aerie_q4.pack(codes.to(torch.uint8).contiguous())
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """`pack`'s inverse: -> (N, K) uint8 codes."""
+    return torch.ops.aerie_q4.unpack(packed, out_features, in_features)
+
+
+def matmul(rows: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> torch.Tensor:
+    """rows (M, K) bf16 @ W^T -> (M, N) fp32, W the int4 values of `packed` codes and `scale_zero`
+    ((K/32, N, 2) bf16: d and z per group, Int4Linear's)."""
+    return torch.ops.aerie_q4.mm(rows, packed, scale_zero, out_features)
