@@ -109,7 +109,7 @@ class Int4Linear(nn.Module):
         if kernel == "rows" and self.rows_codes is None:
             if not q4_rows.fits(k, n):
                 raise ValueError(f"a {k}x{n} linear does not fit the q4_rows kernel's vectors")
-            self.rows_codes = q4_rows.pack(self.codes())
+            self.rows_codes = q4_rows.pack(self.codes(), self.scale_zero)
         if free and self.packed is None and not (kernel == "rows" and from_rows == 1):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().int(), 1)
         self.kernel, self.kernel_from = kernel, from_rows
@@ -142,7 +142,7 @@ class Int4Linear(nn.Module):
         elif self.kernel == "amx" and rows.shape[0] >= self.kernel_from:
             y = torch.ops.aerie_amx.q41_mm(rows, self.amx_codes, self.amx_d, self.amx_z, self.out_features).to(torch.bfloat16)
         elif self.kernel == "rows" and rows.shape[0] >= self.kernel_from:
-            y = q4_rows.matmul(rows, self.rows_codes, self.scale_zero, self.out_features).to(torch.bfloat16)
+            y = q4_rows.matmul(rows, self.rows_codes, self.out_features).to(torch.bfloat16)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -40,7 +40,7 @@ def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_q4` available (built once into `cache_dir`); raises NativeUnavailable
     with the reason where it cannot be built."""
     if build(NAME, compiler_flags(cpu_flags), cache_dir):
-        torch.library.register_fake("aerie_q4::mm", lambda x, codes, scale_zero, n: x.new_empty(x.shape[0], n, dtype=torch.float32))
+        torch.library.register_fake("aerie_q4::mm", lambda x, packed, n: x.new_empty(x.shape[0], n, dtype=torch.float32))
 
 
 def fits(in_features: int, out_features: int) -> bool:
@@ -48,9 +48,10 @@ def fits(in_features: int, out_features: int) -> bool:
     return in_features % 32 == 0 and out_features % torch.ops.aerie_q4.block_outputs() == 0
 
 
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) 4-bit codes 0..15 -> the kernel's layout: per vector of outputs, per 8 inputs, one int32 per output."""
-    return torch.ops.aerie_q4.pack(codes.to(torch.uint8).contiguous())
+def pack(codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """(N, K) 4-bit codes 0..15 and (K/32, N, 2) bf16 d and z per group (Int4Linear's) -> the
+    kernel's weight: one stream per block of outputs, each group's code words then its scales."""
+    return torch.ops.aerie_q4.pack(codes.to(torch.uint8).contiguous(), scale_zero.contiguous())
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -58,7 +59,6 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
     return torch.ops.aerie_q4.unpack(packed, out_features, in_features)
 
 
-def matmul(rows: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, out_features: int) -> torch.Tensor:
-    """rows (M, K) bf16 @ W^T -> (M, N) fp32, W the int4 values of `packed` codes and `scale_zero`
-    ((K/32, N, 2) bf16: d and z per group, Int4Linear's)."""
-    return torch.ops.aerie_q4.mm(rows, packed, scale_zero, out_features)
+def matmul(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """rows (M, K) bf16 @ W^T -> (M, N) fp32, W the int4 values `pack` packed."""
+    return torch.ops.aerie_q4.mm(rows, packed, out_features)
