@@ -135,17 +135,18 @@ class Int4Linear(nn.Module):
         self.wide, self.wide_from = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)     # (M, K)
+        flat = x.reshape(-1, x.shape[-1])                              # (M, K)
+        m, n, bf16 = flat.shape[0], self.out_features, torch.bfloat16
         # A compiled graph's rows are fixed or within a range no kernel switch splits: one kernel per graph.
-        if self.wide_from is not None and rows.shape[0] >= self.wide_from:
-            y = onednn_matmul(rows, self.wide, self.out_features, self.wide_kind).to(torch.bfloat16)
-        elif self.kernel == "amx" and rows.shape[0] >= self.kernel_from:
-            y = torch.ops.aerie_amx.q41_mm(rows, self.amx_codes, self.amx_d, self.amx_z, self.out_features).to(torch.bfloat16)
-        elif self.kernel == "rows" and rows.shape[0] >= self.kernel_from:
-            y = q4_rows.matmul(rows, self.rows_codes, self.out_features).to(torch.bfloat16)
+        if self.wide_from is not None and m >= self.wide_from:
+            y = onednn_matmul(flat.to(bf16), self.wide, n, self.wide_kind).to(bf16)
+        elif self.kernel == "rows" and m >= self.kernel_from:
+            y = q4_rows.matmul(flat, self.rows_codes, n)               # rounds fp32 inputs and outputs to bf16 itself
+        elif self.kernel == "amx" and m >= self.kernel_from:
+            y = torch.ops.aerie_amx.q41_mm(flat.to(bf16), self.amx_codes, self.amx_d, self.amx_z, n).to(bf16)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_zero)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(bf16), self.packed, GROUP, self.scale_zero)
+        y = y.reshape(*x.shape[:-1], n).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

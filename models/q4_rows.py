@@ -7,7 +7,8 @@ the tree. This kernel holds the same weight values (torch's int4 codes, scales a
 fma(c - 8, d, z) in fp32), puts outputs in vector lanes and sums each over its inputs in order,
 so a row's output is the same bits alone or in a tree of any size, and it keeps each
 dequantized weight in registers for up to 6 rows with enough independent sums to keep an FMA unit
-busy even at one row. Outputs are fp32 (rounded to bf16 by its caller, as int4's are).
+busy even at one row. It rounds inputs and outputs to bf16 as int4 does, but takes and gives
+fp32, so an eager call needs no casts around it.
 
 One linear, hot, 2-core AMD EPYC with AVX2 alone (ms at 1 / 2 / 4 / 8 / 16 rows): 576x1536
 0.065 / 0.089 / 0.134 / 0.277 / 0.505 against int4's 0.088 / 0.117 / 0.172 / 0.374 / 0.628; the
@@ -60,5 +61,6 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
 
 
 def matmul(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """rows (M, K) bf16 @ W^T -> (M, N) fp32, W the int4 values `pack` packed."""
+    """rows (M, K) fp32 or bf16, rounded to bf16 @ W^T -> (M, N) fp32 holding bf16 values (the
+    int4 kernel's inputs and outputs, without its casts), W the int4 values `pack` packed."""
     return torch.ops.aerie_q4.mm(rows, packed, out_features)

@@ -4,6 +4,7 @@ bit), greedy EAGLE on each equal to plain decoding on it, and the choice among t
 tests skip where the CPU cannot run it or it cannot be built (AMX needs AMX; q4_rows runs on any
 Linux CPU with g++)."""
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -32,6 +33,8 @@ def kernel(request, kernel_dir):
     try:
         load_kernel(request.param, kernel_dir)
     except NativeUnavailable as e:
+        if request.param == "rows" and sys.platform.startswith("linux"):
+            raise   # q4_rows builds on any Linux CPU with g++ (CI's included): failing to is a bug
         pytest.skip(f"no {request.param} kernel here: {e}")
     return request.param
 
@@ -54,9 +57,12 @@ def test_a_kernel_computes_the_int4_layers_weights_row_by_row(kernel, shape):
     sums = native_sums(layer, x.bfloat16())
     assert sums.dtype == torch.float32
     scale = exact.abs().max().item()
-    assert (sums.double() - exact).abs().max().item() < 1e-5 * scale     # fp32 sums of exact products
+    if kernel == "amx":                                                  # fp32 sums of exact products
+        assert (sums.double() - exact).abs().max().item() < 1e-5 * scale
+    else:                                                                # the same, rounded to bf16 as int4's
+        assert ((sums.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * scale).all()
     y = layer(x)
-    assert torch.equal(y, sums.bfloat16().float())                      # the layer rounds them as int4 does
+    assert torch.equal(y, sums.bfloat16().float())                      # bf16 values, as int4's
     assert (int4.double() - exact).abs().max().item() < 1e-2 * scale    # int4's output is bf16
     assert (y - int4).abs().max().item() <= 2 ** -7 * int4.abs().max().item()   # a bf16 step apart at most
     for rows in (slice(3, 4), slice(0, 16), slice(16, 37), slice(5, 9), slice(0, 7)):   # any row count, blocks crossed

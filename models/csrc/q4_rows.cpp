@@ -2,7 +2,8 @@
 // is computed alone, in one order, whatever rows come beside it (models/q4_rows.py says why).
 //
 // Weights are torch's int4 values: w = (c - 8) d + z with a code c in 0..15 and d, z per group of 32
-// inputs, computed here as fma(c - 8, d, z) in fp32, one rounding, as the int4 kernel does. Lanes
+// inputs, computed here as fma(c - 8, d, z) in fp32, one rounding, as the int4 kernel does; inputs
+// and outputs are rounded to bf16 values as int4's are, but read and written as fp32. Lanes
 // are outputs: output n's sum runs over k = 0, 1, ... in order in one vector lane, with no
 // horizontal sums, so a row's result is the same bits alone or among others. A lane's 32-bit word
 // holds 8 inputs' codes (stored as c ^ 8, so a sign-extending shift gives c - 8 in two
@@ -37,12 +38,23 @@ constexpr int RB = L == 16 ? 6 : 4;
 constexpr int ACC = L == 16 ? 24 : 8;
 typedef float vf __attribute__((vector_size(4 * L)));
 typedef int32_t vi __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));
 
 inline vf splat(float x) { return vf{} + x; }
 template <typename V, typename T>
 inline V load(const T* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf as_float(vi bits) { vf f; std::memcpy(&f, &bits, sizeof f); return f; }
+
+// fp32 -> the nearest bf16 value, ties to even, as torch rounds (a NaN stays a NaN).
+inline vf round_bf16(vf x) {
+  vu bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  vf y;
+  std::memcpy(&y, &bits, sizeof y);
+  return x == x ? y : x;
+}
 
 // The packed weight is one stream per block of W = NV L outputs (fewer in the last), read in order:
 // per group of 32 inputs, 4 x W code words (8 inputs each, output-major), then W (d, z) bf16 pairs.
@@ -74,7 +86,7 @@ void block_of(const float* x, int64_t k, const int32_t* block, int64_t width, in
     }
   }
   for (int r = 0; r < R; r++)
-    for (int v = 0; v < V; v++) store(out + r * n + v * L, acc[r][v]);
+    for (int v = 0; v < V; v++) store(out + r * n + v * L, round_bf16(acc[r][v]));
 }
 
 template <int R>
@@ -99,14 +111,17 @@ void rows_for(int rows, int vectors, const float* x, int64_t k, const int32_t* b
 }
 
 at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be (M, K) bf16");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "x must be (M, K) fp32 or bf16");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % 32 == 0 && n % L == 0, "K must be a multiple of 32 and N of ", L);
   TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.numel() == k / 32 * GROUP_WORDS * n,
               "a weight from pack() for this K and N");
-  const at::Tensor xf = x.contiguous().to(at::kFloat);  // exact
+  // The inputs rounded to bf16, as torch's int4 kernel takes them (k is a multiple of L).
+  at::Tensor xf = x.contiguous().to(at::kFloat, /*non_blocking=*/false, /*copy=*/x.scalar_type() == at::kFloat);
+  float* xr = xf.data_ptr<float>();
+  for (int64_t i = 0; i < m * k; i += L) store(xr + i, round_bf16(load<vf>(xr + i)));
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
+  const float* xp = xr;
   const int32_t* pp = packed.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const int64_t block = NV * L, blocks = (n + block - 1) / block, groups = k / 32;
