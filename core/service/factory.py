@@ -245,7 +245,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
 
     def measure() -> KernelChoice:
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
-        kernel, kernel_from, kernel_ms = (choose_target_kernel(target, spec.cache_dir, report, rows, spec.kernel_mix)
+        kernel, kernel_from, kernel_ms = (choose_target_kernel(target, spec.cache_dir, report, spec.kernel_mix)
                                           if target.quant == "int4" else ("int4", 1, {}))
         trees = (choose_wide_from(target, row_attention=rows) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))

@@ -46,7 +46,7 @@ PAYING_TOKENS = 3.0
 HEAD_WEIGHTS = ("int8", "int4", "bf16")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
-VERSION = 6
+VERSION = 7
 TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on each 4-bit kernel
 KERNEL_NAMES = {"int4": "int4", "amx": "AMX 4-bit", "rows": "q4_rows"}
 PREFILL_ROWS = 512             # one prefill chunk (core/runtime/runner.py PREFILL_CHUNK)
@@ -188,11 +188,10 @@ def load_kernel(kernel: str, cache_dir: Path) -> None:
 
 
 @torch.inference_mode()
-def choose_target_kernel(target: Target, cache_dir: Path, report=print, row_attention: bool = False,
-                         mix: bool = False) -> tuple[str, int, dict]:
+def choose_target_kernel(target: Target, cache_dir: Path, report=print, mix: bool = False) -> tuple[str, int, dict]:
     """Which 4-bit kernel the target's int4 layers run on: torch's, AMX (models/amx.py) or
-    q4_rows (models/q4_rows.py), each built where it can be, by eager verifies of TARGET_ROWS
-    tokens on each (`pick_kernel`; `mix`: whether AMX may serve trees beside int4's one token).
+    q4_rows (models/q4_rows.py), each built where it can be, by timing the target's linears at
+    TARGET_ROWS rows on each (`time_linears`, `pick_kernel`; `mix`: whether AMX may serve trees beside int4's one token).
     -> (kernel, from rows, timings); leaves the layers on the choice. Says why a kernel cannot run."""
     layers = int4_layers(target)
     kernels = ["int4"]
@@ -210,16 +209,38 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print, row_atte
     def setup(kernel: str) -> None:
         for layer in layers:
             layer.use_kernel(kernel, free=False)
-    best = time_verifies(target, {n: tuple(kernels) for n in TARGET_ROWS}, setup, row_attention)
+    best = time_linears(layers, {n: tuple(kernels) for n in TARGET_ROWS}, setup)
     kernel, from_rows = pick_kernel(best, mix)
     for layer in layers:
         layer.use_kernel(kernel, from_rows)
     return kernel, from_rows, {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
 
 
+def time_linears(layers: list[Int4Linear], kernels: dict, setup) -> dict:
+    """kernels: rows -> the kernel names to time that many rows on; setup(name) puts `layers` on
+    one. Every layer called once in the model's order on `rows` rows, as a verify calls them (the
+    weights stream from memory: they outgrow the caches), each size's kernels interleaved, best
+    of REPEATS after a warm-up pass; -> rows -> {name: ms}. The linears alone: the rest of a
+    verify is the same on every kernel, and eager it is dispatch a compiled graph does not pay
+    (an eager verify of one token, 2-core EPYC: 38 ms, its linears 15 of them; compiled 16)."""
+    best = {n: {name: float("inf") for name in names} for n, names in kernels.items()}
+    generator = torch.Generator().manual_seed(0)
+    for rep in range(REPEATS + 1):                       # pass 0 warms up
+        for n, names in best.items():
+            inputs = {k: torch.randn(n, k, generator=generator) for k in {layer.in_features for layer in layers}}
+            for name in names:
+                setup(name)
+                t0 = time.perf_counter()
+                for layer in layers:
+                    layer(inputs[layer.in_features])
+                ms = 1000 * (time.perf_counter() - t0)
+                names[name] = min(names[name], ms) if rep else names[name]
+    return best
+
+
 def pick_kernel(best: dict, mix: bool = False) -> tuple[str, int]:
     """best: rows -> {kernel: ms} -> (kernel, from rows). A kernel serves every size where its
-    verifies at all sizes together save 10% over int4's and its one token costs at most 5% more
+    timings at all sizes together save 10% over int4's and its one token costs at most 5% more
     (plain decoding lives there); the fastest such, else int4. With `mix`, where none does, AMX
     may serve from the first size from which it wins at each (`pick_amx_from`): a tree summed in
     AMX's order and one token in int4's part at near-ties (1 of 16 MT-bench prompts, 2-core
