@@ -241,10 +241,15 @@ class Int8Linear(nn.Module):
 
 
 def quantized(linear: nn.Linear, quant: str, keep_weight: bool = False) -> nn.Module:
-    """`linear` as an Int4Linear or Int8Linear (`quant` one of CPU_QUANTS), or for "bf16" a
-    OneDnnLinear holding bf16 weights."""
+    """`linear` as an Int4Linear or Int8Linear (`quant` one of CPU_QUANTS), for "q4_rows" an
+    Int4Linear on that kernel (models/q4_rows.py, loaded first), or for "bf16" a OneDnnLinear
+    holding bf16 weights."""
     if quant == "bf16":
         return OneDnnLinear(linear, rows=4, keep_weight=keep_weight, kind="bf16")
+    if quant == "q4_rows":
+        layer = Int4Linear(linear, keep_weight=keep_weight)
+        layer.use_kernel("rows")
+        return layer
     if quant not in CPU_QUANTS:
         raise ValueError(f"CPU weights are one of {CPU_QUANTS} or bf16, not {quant!r}")
     return (Int4Linear if quant == "int4" else Int8Linear)(linear, keep_weight=keep_weight)
@@ -254,13 +259,13 @@ def quantize_cpu(model: nn.Module, quant: str) -> None:
     """Swap every nn.Linear in `model` (a causal LM's LM head included) for its int4 / int8 version,
     in place. The LM head keeps `.weight`: EAGLE heads and drafters read it (tied to the embedding,
     so no extra memory for models that tie them)."""
-    if quant not in (*CPU_QUANTS, "bf16"):
-        raise ValueError(f"CPU weights are one of {CPU_QUANTS} or bf16, not {quant!r}")
+    if quant not in (*CPU_QUANTS, "bf16", "q4_rows"):
+        raise ValueError(f"CPU weights are one of {CPU_QUANTS}, q4_rows or bf16, not {quant!r}")
     get_lm_head = getattr(model, "get_output_embeddings", None)
     lm_head = get_lm_head() if get_lm_head is not None else None
     for module in list(model.modules()):
         for name, child in module.named_children():
             # The int4 kernel packs groups of 32 inputs and tiles of 16 outputs; any other shape stays fp32.
-            if isinstance(child, nn.Linear) and (quant != "int4" or (child.in_features % GROUP == 0
+            if isinstance(child, nn.Linear) and (quant not in ("int4", "q4_rows") or (child.in_features % GROUP == 0
                                                                      and child.out_features % 16 == 0)):
                 setattr(module, name, quantized(child, quant, keep_weight=child is lm_head))

@@ -12,7 +12,7 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.service.factory import cpu_buckets
 from core.tune.kernels import (HEAD_WEIGHTS, PREFILL_FROM, WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice,
-                               choose_head_weights, choose_prefill, choose_wide_from, head_weights_here, int4_layers, kernel_edges,
+                               choose_head_weights, choose_prefill, choose_wide_from, head_weights_here, int4_layers, kernel_edges, load_kernel,
                                machine_key, pick_tree_kernels, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from models.cpu_quant import TWINS, onednn_runs, quantize_cpu
@@ -82,15 +82,19 @@ def test_choose_wide_from_measures_both_kernels_and_narrows_again():
     assert all(torch.equal(b, layer.packed) for b, layer in zip(before, int4_layers(target)))
 
 
-def test_head_weights_choice_needs_a_clear_win():
-    assert choose_head_weights({"int8": 1.0, "int4": 0.96, "bf16": 0.95}.get)[0] == "int8"   # 5%: noise
-    assert choose_head_weights({"int8": 1.0, "int4": 0.6, "bf16": 0.5}.get) == ("bf16", {"int8": 1.0, "int4": 0.6, "bf16": 0.5})
-    assert choose_head_weights({"int8": 1.0, "int4": 0.7, "bf16": 1.4}.get)[0] == "int4"
-    assert head_weights_here() == (("int8", "int4", "bf16") if onednn_runs("bf16") else ("int8", "int4"))
+def test_head_weights_choice_needs_a_clear_win(tmp_path):
+    def choose(ms: dict):
+        return choose_head_weights(ms.get, tuple(ms))
+    assert choose({"int8": 1.0, "int4": 0.96, "bf16": 0.95})[0] == "int8"   # 5%: noise
+    assert choose({"int8": 1.0, "int4": 0.6, "bf16": 0.5}) == ("bf16", {"int8": 1.0, "int4": 0.6, "bf16": 0.5})
+    assert choose({"int8": 1.0, "int4": 0.7, "bf16": 1.4, "q4_rows": 0.5})[0] == "q4_rows"
+    assert head_weights_here(tmp_path) == (("int8", "int4", "bf16", "q4_rows") if onednn_runs("bf16") else ("int8", "int4", "q4_rows"))
 
 
 @pytest.mark.parametrize("weights", [pytest.param(w, marks=needs_onednn_bf16 if w == "bf16" else ()) for w in HEAD_WEIGHTS])
-def test_every_head_weight_choice_drafts_and_stays_lossless(weights):
+def test_every_head_weight_choice_drafts_and_stays_lossless(weights, tmp_path):
+    if weights == "q4_rows":
+        load_kernel("rows", tmp_path)
     target = int4_target()
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(6)).tolist()
     plain, ties = greedy_run(Engine(target), prompt)

@@ -24,7 +24,7 @@ from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
 from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_target_kernel, apply_wide, cached_choice,
                                choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
-                               head_weights_here, kernel_edges, machine_key, time_draft_steps, twin_fits)
+                               head_weights_here, kernel_edges, load_kernel, machine_key, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
                                profile_mismatch)
@@ -254,7 +254,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
         head, head_ms = "int8", {}
         if strategy == "eagle":
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)),
-                                                  head_weights_here())
+                                                  head_weights_here(spec.cache_dir))
         return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms,
                             kernel, kernel_from, kernel_ms)
 
@@ -341,7 +341,9 @@ def make_drafter(target: Target, spec: EngineSpec, head_weights: str = "int8"):
     draft_vocab = None if spec.head == "random" else load_draft_vocab(spec.head, target.model.config.get_text_config().vocab_size)
     tree = spec.tree or default_tree(target.device)
     drafter = EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, tree, draft_vocab)
-    if target.quant in CPU_QUANTS:  # a CPU target on small weights: its drafter too (int8 or bf16)
+    if target.quant in CPU_QUANTS:  # a CPU target on small weights: its drafter too (core/tune/kernels.py HEAD_WEIGHTS)
+        if head_weights == "q4_rows":
+            load_kernel("rows", spec.cache_dir)
         drafter.shrink(head_weights)
     return drafter
 

@@ -11,8 +11,8 @@ Two choices, each timed the way a chat runs it, never taken from a table:
     fp32 twin, or the exact three-term bf16 twin (`bf16x3`: the same values again, on AMX or
     AVX512-BF16), timed as whole 512-token prefills; a twin costs RAM (4 or 6 bytes per weight),
     so it must save 10% and fit;
-  - the draft head's weights: int8 or int4 (torch's weight-only kernels) or bf16 on oneDNN (dot
-    products in hardware where the CPU has AVX512-BF16 or AMX, emulated where it has not). Drafts
+  - the draft head's weights: int8 or int4 (torch's weight-only kernels), int4 on q4_rows, or
+    bf16 on oneDNN (dot products in hardware where the CPU has AVX512-BF16 or AMX). Drafts
     only: the target verifies every token, so this changes speed and acceptance, never the output.
     A draft starts with the head's weights evicted by the verify, so fewer bytes win here: on the
     2-core EPYC a catch-up and two 4-row steps took 2.4-3.4 ms in int4, 4.1-4.6 in int8, 6.4 in
@@ -43,7 +43,7 @@ WIDE_ROWS = (8, 16, 32, 64)    # verify sizes where the fp32 twin may win; below
 # a bucket costing 3 one-token verifies or more cannot pay for any head Aerie has: it is not
 # a bucket (no graph serves it; a tree that large goes in chunks) and its twin is not kept.
 PAYING_TOKENS = 3.0
-HEAD_WEIGHTS = ("int8", "int4", "bf16")
+HEAD_WEIGHTS = ("int8", "int4", "bf16", "q4_rows")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
 VERSION = 7
@@ -367,9 +367,16 @@ def choose_head_weights(time_step, weights: tuple[str, ...] = HEAD_WEIGHTS) -> t
     return (best if ms[best] < WIN * ms["int8"] else "int8"), ms
 
 
-def head_weights_here() -> tuple[str, ...]:
-    """The HEAD_WEIGHTS this CPU runs (bf16 only where oneDNN has bf16 GEMMs)."""
-    return tuple(quant for quant in HEAD_WEIGHTS if onednn_runs(quant))
+def head_weights_here(cache_dir: Path) -> tuple[str, ...]:
+    """The HEAD_WEIGHTS this CPU runs: bf16 only where oneDNN has bf16 GEMMs, q4_rows where its
+    kernel builds (here, into `cache_dir`)."""
+    try:
+        load_kernel("rows", cache_dir)
+        rows = True
+    except NativeUnavailable as e:
+        print(f"Aerie: no q4_rows kernel for the draft head here ({e}).", flush=True)
+        rows = False
+    return tuple(quant for quant in HEAD_WEIGHTS if onednn_runs(quant) and (rows or quant != "q4_rows"))
 
 
 EVICT_BYTES = 64 << 20   # more than any CPU's last-level cache here (32 MiB): a verify's weights do this

@@ -40,7 +40,6 @@ typedef float vf __attribute__((vector_size(4 * L)));
 typedef int32_t vi __attribute__((vector_size(4 * L)));
 typedef uint32_t vu __attribute__((vector_size(4 * L)));
 
-inline vf splat(float x) { return vf{} + x; }
 template <typename V, typename T>
 inline V load(const T* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -81,7 +80,7 @@ void block_of(const float* x, int64_t k, const int32_t* block, int64_t width, in
       for (int i = 0; i < 8; i++)
         for (int v = 0; v < V; v++) {
           const vf w = __builtin_convertvector((word[v] << (28 - 4 * i)) >> 28, vf) * scale[v] + zero[v];
-          for (int r = 0; r < R; r++) acc[r][v] += splat(xs[r * k + i]) * w;
+          for (int r = 0; r < R; r++) acc[r][v] += w * xs[r * k + i];  // a scalar broadcast (0 + x would be an add)
         }
     }
   }
