@@ -10,6 +10,9 @@ m = min. That is llama.cpp's Q4_1 rule, so re-quantizing the embedded model (a Q
 dequantized to fp32) recovers its blocks exactly; only d and the kernel's zero point m + 8d are
 rounded to bf16 (relative error up to 2^-8). Other models get ordinary Q4_1-style 4-bit weights.
 
+Which 4-bit kernel computes a layer (`Int4Linear.use_kernel`, one of KERNELS): torch's, Aerie's
+AMX one (models/amx.py) or q4_rows (models/q4_rows.py), all on the same codes, scales and zeros.
+
 Trees of many rows: torch's int4 kernel dequantizes every weight tile again for each block of 4
 rows, so its cost grows with the rows (a 576x1536 linear, 2-core AMD EPYC: 0.028 ms at 1 row,
 0.68 at 64). `Int4Linear.widen` gives a layer a twin for calls of many rows: the very same weight
