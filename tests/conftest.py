@@ -43,6 +43,22 @@ def tiny_target(model=None, tokenizer=None, eos_ids=(), context_len: int = 512) 
                   dtype=torch.float32, context_len=context_len, eos_ids=tuple(eos_ids))
 
 
+def one_token_at_a_time(runner, ids: list[int]) -> torch.Tensor:
+    """The logits (T, V) of `ids` verified and committed one at a time after the cached tokens."""
+    rows = []
+    for t in ids:
+        rows.append(runner.verify(torch.tensor([t]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)).logits)
+        runner.commit(torch.tensor([0]), [t])
+    return torch.cat(rows)
+
+
+def chain_at_once(runner, ids: list[int], past: int) -> torch.Tensor:
+    """The logits (T, V) of `ids` verified as one chain-shaped tree after the first `past` cached tokens."""
+    runner.truncate(past)
+    n = len(ids)
+    return runner.verify(torch.tensor(ids), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()).logits
+
+
 def random_head(model, kind: str, seed: int, draft_vocab: int | None = None):
     torch.manual_seed(seed)
     config = head_config_for_target(model.config, kind, draft_vocab_size=draft_vocab)

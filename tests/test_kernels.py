@@ -16,7 +16,7 @@ from core.tune.kernels import (HEAD_WEIGHTS, PREFILL_FROM, WIDE_ROWS, KernelChoi
                                machine_key, pick_tree_kernels, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from models.cpu_quant import TWINS, onednn_runs, quantize_cpu
-from tests.conftest import needs_onednn_bf16, random_head, tiny_llama, tiny_target
+from tests.conftest import chain_at_once, needs_onednn_bf16, one_token_at_a_time, random_head, tiny_llama, tiny_target
 
 
 def int4_target(seed: int = 1):
@@ -57,15 +57,9 @@ def test_tree_logits_on_the_twin_match_one_token_at_a_time():
     runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8)))
     ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     runner.prefill(ids[:16], 0)
-    rows = []
-    for t in ids[16:]:  # one token at a time, on the int4 kernel
-        rows.append(runner.verify(torch.tensor([t]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)).logits)
-        runner.commit(torch.tensor([0]), [t])
-    sequential = torch.cat(rows)
+    sequential = one_token_at_a_time(runner, ids[16:])   # on the int4 kernel
     apply_wide(target, KernelChoice(2, 64))
-    runner.truncate(16)
-    chain = torch.tensor(ids[16:])
-    tree = runner.verify(chain, torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril()).logits
+    tree = chain_at_once(runner, ids[16:], 16)
     torch.testing.assert_close(tree, sequential, atol=0.05, rtol=0.02)  # bf16 activations, fp32 sums
     assert (tree.argmax(-1) == sequential.argmax(-1)).all()
 

@@ -19,7 +19,7 @@ from core.tune.kernels import (KernelChoice, apply_target_kernel, choose_target_
                                load_kernel, pick_kernel)
 from models.cpu_quant import Int4Linear, quantize_cpu
 from models.native import NativeUnavailable
-from tests.conftest import random_head, tiny_target
+from tests.conftest import chain_at_once, one_token_at_a_time, random_head, tiny_target
 from tests.test_kernels import greedy_run, int4_target
 
 
@@ -102,13 +102,8 @@ def test_tree_logits_on_a_kernel_equal_one_token_at_a_time_bit_for_bit(kernel, k
     runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8)))
     ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     runner.prefill(ids[:16], 0)
-    rows = []
-    for t in ids[16:]:
-        rows.append(runner.verify(torch.tensor([t]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)).logits)
-        runner.commit(torch.tensor([0]), [t])
-    runner.truncate(16)
-    tree = runner.verify(torch.tensor(ids[16:]), torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril()).logits
-    assert torch.equal(tree, torch.cat(rows))
+    sequential = one_token_at_a_time(runner, ids[16:])
+    assert torch.equal(chain_at_once(runner, ids[16:], 16), sequential)
 
 
 def test_greedy_eagle_on_a_kernel_equals_plain_on_it(kernel, kernel_dir):

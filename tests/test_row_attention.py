@@ -14,7 +14,7 @@ from core.spec.eagle import EagleDrafter
 from core.tune.kernels import cpu_flags
 from models import attention, native
 from models.cpu_quant import quantize_cpu
-from tests.conftest import random_head, tiny_llama, tiny_target
+from tests.conftest import chain_at_once, one_token_at_a_time, random_head, tiny_llama, tiny_target
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,13 +87,8 @@ def test_tree_logits_equal_one_token_at_a_time_bit_for_bit():
     assert runner.row_attention and runner.cache.layers[0].keys.dtype == torch.float32
     ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(0)).tolist()
     runner.prefill(ids[:82], 0)                  # past one 64-row block of the cache
-    rows = []
-    for t in ids[82:]:
-        rows.append(runner.verify(torch.tensor([t]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)).logits)
-        runner.commit(torch.tensor([0]), [t])
-    runner.truncate(82)
-    tree = runner.verify(torch.tensor(ids[82:]), torch.arange(8), torch.ones(8, 8, dtype=torch.bool).tril()).logits
-    assert torch.equal(tree, torch.cat(rows))
+    sequential = one_token_at_a_time(runner, ids[82:])
+    assert torch.equal(chain_at_once(runner, ids[82:], 82), sequential)
 
 
 def test_greedy_eagle_on_row_attention_is_plain_decodings_text():
