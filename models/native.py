@@ -21,8 +21,10 @@ class NativeUnavailable(RuntimeError):
 
 
 def digest(source: Path, flags: tuple[str, ...]) -> str:
-    """What a built kernel depends on: its source, torch's version and the compiler flags."""
-    return hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    """What a built kernel depends on: its source and the headers beside it, torch's version and
+    the compiler flags."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    return hashlib.sha256(source.read_bytes() + headers + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
 
 
 def _compile(source: Path, flags: tuple[str, ...], out: Path) -> None:

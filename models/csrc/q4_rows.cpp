@@ -21,13 +21,8 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int L = 16;
-#elif defined(__AVX__)
-constexpr int L = 8;
-#else
-constexpr int L = 4;
-#endif
+#include "lanes.h"
+
 // Outputs per block: up to NV vectors (fewer at N's end), rows per register block: up to RB, taken
 // in passes of R rows x V vectors of sums, R V <= ACC: independent FMA chains, enough to hide an
 // FMA's latency even at one row (V = 4), with registers to spare for the weights and scales (16
@@ -36,13 +31,6 @@ constexpr int L = 4;
 constexpr int NV = 4;
 constexpr int RB = L == 16 ? 6 : 4;
 constexpr int ACC = L == 16 ? 24 : 8;
-typedef float vf __attribute__((vector_size(4 * L)));
-typedef int32_t vi __attribute__((vector_size(4 * L)));
-typedef uint32_t vu __attribute__((vector_size(4 * L)));
-
-template <typename V, typename T>
-inline V load(const T* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf as_float(vi bits) { vf f; std::memcpy(&f, &bits, sizeof f); return f; }
 
 // fp32 -> the nearest bf16 value, ties to even, as torch rounds (a NaN stays a NaN).

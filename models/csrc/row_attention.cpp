@@ -22,17 +22,7 @@
 
 namespace {
 
-// The lanes of one vector: the widest this build's instruction set has (GCC splits a wider vector
-// type into pieces, and lowers some of its operations to scalar code: 8x slower on AVX2 alone).
-#if defined(__AVX512F__)
-constexpr int L = 16;
-#elif defined(__AVX__)
-constexpr int L = 8;
-#else
-constexpr int L = 4;
-#endif
-typedef float vf __attribute__((vector_size(4 * L)));
-typedef int vi __attribute__((vector_size(4 * L)));
+#include "lanes.h"
 
 inline float hsum(vf a) {  // lanes [0, L/2) + [L/2, L), then halves again: one fixed order
   float t[L];
@@ -44,13 +34,6 @@ inline float hsum(vf a) {  // lanes [0, L/2) + [L/2, L), then halves again: one 
 
 inline vf splat(float x) { return vf{} + x; }
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6
 // (relative error ~2e-7); 0 below -87.3, where 2^n leaves fp32's normal range.
