@@ -113,13 +113,18 @@ class Int4Linear(nn.Module):
             if not q4_rows.fits(k, n):
                 raise ValueError(f"a {k}x{n} linear does not fit the q4_rows kernel's vectors")
             self.rows_codes = q4_rows.pack(self.codes(), self.scale_zero)
-        if free and self.packed is None and not (kernel == "rows" and from_rows == 1):
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().int(), 1)
         self.kernel, self.kernel_from = kernel, from_rows
-        if free:
-            self.amx_codes, self.amx_d, self.amx_z = (self.amx_codes, self.amx_d, self.amx_z) if kernel == "amx" else (None,) * 3
-            self.rows_codes = self.rows_codes if kernel == "rows" else None
-            self.packed = None if kernel == "rows" and from_rows == 1 else self.packed
+        if not free:
+            return
+        rows_alone = kernel == "rows" and from_rows == 1           # torch's copy then serves nothing
+        if self.packed is None and not rows_alone:                   # rebuilt before q4_rows' copy goes
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes().int(), 1)
+        if kernel != "amx":
+            self.amx_codes = self.amx_d = self.amx_z = None
+        if kernel != "rows":
+            self.rows_codes = None
+        if rows_alone:
+            self.packed = None
 
     def use_int4(self) -> None:
         """Back to torch's int4 kernel at every row count, freeing the other kernels' copies."""
