@@ -57,6 +57,23 @@ def test_a_row_is_the_same_alone_beside_others_and_whatever_the_padding():
     assert torch.equal(attention.attend(q, k, v, padded, 0.125), together)
 
 
+def test_a_tree_nodes_row_is_its_token_alone_wherever_its_column_sits():
+    """A tree puts node i's K/V at column L + i, its token alone sits at L + depth: with the
+    siblings between blocked, the row must not change (it did, by fp32 rounding of the softmax's
+    sum, when lanes took columns by index: compiled trees parted from plain decoding, issue 17)."""
+    g = torch.Generator().manual_seed(4)
+    blocked = torch.finfo(torch.float32).min
+    for trial in range(40):
+        past, gap = int(torch.randint(5, 150, (), generator=g)), int(torch.randint(1, 9, (), generator=g))
+        q, k, v = (torch.randn(3, rows, 64, generator=g) for rows in (3, past + gap + 1, past + gap + 1))
+        alone = attention.attend(q, k, v, torch.zeros(1, past + 1), 0.125)          # the token at column `past`
+        k[:, past + gap], v[:, past + gap] = k[:, past].clone(), v[:, past].clone()  # the node at past + gap
+        k[:, past: past + gap], v[:, past: past + gap] = torch.randn(2, 3, gap, 64, generator=g)
+        mask = torch.zeros(1, past + gap + 1)
+        mask[0, past: past + gap] = blocked                                          # its siblings
+        assert torch.equal(attention.attend(q, k, v, mask, 0.125), alone), (past, gap)
+
+
 def test_bad_inputs_are_refused_with_the_reason():
     q, k, v, mask = case(heads=2, rows=4, n=4, lk=20, dim=64, seed=0)
     with pytest.raises(RuntimeError, match="contiguous fp32"):

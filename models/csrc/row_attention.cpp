@@ -7,10 +7,12 @@
 // a large negative number blocks). out (H, R, D) = softmax(q k^T * scale + mask) v.
 //
 // Per row: s_j = hsum(q . k_j) * scale + mask_j, with lane l of the dot summing d = l, l+L, ...
-// (L lanes: 16 on AVX-512, 8 on AVX2) and hsum a fixed tree; m = max s; p_j = exp(s_j - m), summed
-// in lanes j mod L then the same tree; out = (sum of p_j v_j in order of j) / sum p. A blocked column gives p_j = 0 exactly, so a
-// row's value depends only on the columns it sees: the same whether it comes in a tree of many
-// rows or alone, whatever Lk's padding.
+// (L lanes: 16 on AVX-512, 8 on AVX2) and hsum a fixed tree; m = max s; p_j = exp(s_j - m); sum p
+// adds the nonzero p_j in order of j, the i-th of them in lane i mod L, then the same tree; out =
+// (sum of p_j v_j in order of j) / sum p. A blocked column gives p_j = 0 exactly and drops out of
+// both sums, so a row's value depends only on the sequence of columns it sees, not on where they
+// sit: the same alone or in a tree of many rows (where a node's own column is L + its index, not
+// L + its depth as when its token comes alone), whatever Lk's padding.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -62,11 +64,25 @@ inline vf exp_nonpositive(vf x) {
   return e;
 }
 
+// The sum of p (n values; `packed` holds n rounded up to L) over its nonzero entries in order, the i-th in
+// lane i mod L: lanes by a column's rank among the seen ones, not by its index.
+inline float sum_seen(const float* p, int64_t n, float* packed) {
+  int64_t count = 0;
+  for (int64_t j = 0; j < n; j++) {
+    packed[count] = p[j];
+    count += p[j] != 0.0f;
+  }
+  for (int64_t j = count; j % L; j++) packed[j] = 0.0f;
+  vf total{};
+  for (int64_t j = 0; j < count; j += L) total += load(packed + j);
+  return hsum(total);
+}
+
 // B <= 4 query rows of one head, sharing each k_j and v_j load: q[b], out[b] (D,), D = C L;
-// k, v (Lk, D); mask[b] (Lk,); s[b] scratch (Lk rounded up to 16). Each row's arithmetic is its own.
+// k, v (Lk, D); mask[b] (Lk,); s[b] and packed scratch (Lk rounded up to 16). Each row's arithmetic is its own.
 template <int D, int B>
 void rows_of(const float* const* q, const float* k, const float* v, const float* const* mask, float* const* out,
-             float* const* s, int64_t lk, float scale) {
+             float* const* s, float* packed, int64_t lk, float scale) {
   constexpr int C = D / L;
   const int64_t padded = (lk + 15) / 16 * 16;
   vf qv[B][C];
@@ -91,13 +107,8 @@ void rows_of(const float* const* q, const float* k, const float* v, const float*
     }
     float m = top[0];
     for (int l = 1; l < L; l++) m = top[l] > m ? top[l] : m;
-    vf total{};
-    for (int64_t j = 0; j < padded; j += L) {
-      const vf p = exp_nonpositive(load(s[b] + j) - m);
-      store(s[b] + j, p);
-      total += p;
-    }
-    sum[b] = hsum(total);
+    for (int64_t j = 0; j < padded; j += L) store(s[b] + j, exp_nonpositive(load(s[b] + j) - m));
+    sum[b] = sum_seen(s[b], lk, packed);
   }
   // A blocked column's p is 0 and its cached v finite: adding 0 * v leaves a row's sum as it was.
   vf acc[B][C] = {};
@@ -115,12 +126,12 @@ void rows_of(const float* const* q, const float* k, const float* v, const float*
 
 template <int D>
 void rows_for(int B, const float* const* q, const float* k, const float* v, const float* const* mask, float* const* out,
-              float* const* s, int64_t lk, float scale) {
+              float* const* s, float* packed, int64_t lk, float scale) {
   switch (B) {
-    case 1: return rows_of<D, 1>(q, k, v, mask, out, s, lk, scale);
-    case 2: return rows_of<D, 2>(q, k, v, mask, out, s, lk, scale);
-    case 3: return rows_of<D, 3>(q, k, v, mask, out, s, lk, scale);
-    default: return rows_of<D, 4>(q, k, v, mask, out, s, lk, scale);
+    case 1: return rows_of<D, 1>(q, k, v, mask, out, s, packed, lk, scale);
+    case 2: return rows_of<D, 2>(q, k, v, mask, out, s, packed, lk, scale);
+    case 3: return rows_of<D, 3>(q, k, v, mask, out, s, packed, lk, scale);
+    default: return rows_of<D, 4>(q, k, v, mask, out, s, packed, lk, scale);
   }
 }
 
@@ -141,7 +152,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t blocks = (rows + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(lk, 1));
   at::parallel_for(0, heads * blocks, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scratch(4 * width);
+    std::vector<float> scratch(5 * width);  // s of up to 4 rows, then packed
+    float* packed = scratch.data() + 4 * width;
     for (int64_t t = lo; t < hi; t++) {
       const int64_t h = t / blocks, r0 = (t % blocks) * 4;
       const int B = int(std::min<int64_t>(4, rows - r0));
@@ -157,14 +169,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       const float *kh = kp + h * cache_rows * d, *vh = vp + h * cache_rows * d;
       switch (d / 16) {
-        case 1: rows_for<16>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 2: rows_for<32>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 3: rows_for<48>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 4: rows_for<64>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 5: rows_for<80>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 6: rows_for<96>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        case 7: rows_for<112>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
-        default: rows_for<128>(B, qs, kh, vh, ms, os, ss, lk, float(scale)); break;
+        case 1: rows_for<16>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
+        case 2: rows_for<32>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
+        case 3: rows_for<48>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
+        case 4: rows_for<64>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
+        case 5: rows_for<80>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
+        case 6: rows_for<96>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
+        case 7: rows_for<112>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
+        default: rows_for<128>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
       }
     }
   });
