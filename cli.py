@@ -34,9 +34,10 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--vram-reserve", type=float, default=0.5, metavar="GB",
                    help="GPU memory (GiB) to leave to other programs; a model that does not fit beside it is partly offloaded to RAM")
-    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
-                   help="a CPU int4/int8 target's attention: sdpa = torch's SDPA in fp64, exact (default); rows = Aerie's fp32 "
-                        "kernel, 3-6x cheaper, exact eagerly but its compiled trees may part from plain decoding (experimental)")
+    p.add_argument("--attention", choices=ATTENTIONS, default="auto",
+                   help="a CPU int4/int8 target's attention: rows = Aerie's fp32 kernel, 3-6x cheaper, exact beside a 4-bit "
+                        "kernel that computes each row alone; sdpa = torch's SDPA in fp64, exact on any kernel; auto (default) = "
+                        "rows where the machine's 4-bit kernel computes each row alone (q4_rows, AMX), else sdpa")
     p.add_argument("--kernel-mix", action="store_true",
                    help="on a CPU with AMX, let trees run on Aerie's AMX 4-bit kernel from the size where it wins while one token stays "
                         "on torch's: the same weights summed in another order, so greedy text may part from plain decoding's at a "

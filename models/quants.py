@@ -7,6 +7,7 @@ the CPU's default, see models/cpu_quant.py); none = the compute dtype (fp32 on C
 
 QUANTS = ("nf4", "int4", "int8", "none")
 CPU_QUANTS = ("int4", "int8")
-# A CPU_QUANTS target's attention (core/runtime/runner.py): torch's SDPA in fp64 (the default,
-# exact) or the fp32 row kernel (models/attention.py; exact eagerly, not yet in compiled graphs).
-ATTENTIONS = ("sdpa", "rows")
+# A CPU_QUANTS target's attention (core/runtime/runner.py): torch's SDPA in fp64 (exact), the fp32
+# row kernel (models/attention.py; exact where the linears compute each row alone too), or "auto"
+# (the default): rows where the chosen 4-bit kernel computes each row alone, else fp64 SDPA.
+ATTENTIONS = ("auto", "sdpa", "rows")

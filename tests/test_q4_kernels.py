@@ -16,7 +16,7 @@ from core.engine import Engine
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.eagle import EagleDrafter
 from core.tune.kernels import (KernelChoice, apply_target_kernel, choose_target_kernel, int4_layers, kernel_edges,
-                               load_kernel, pick_kernel)
+                               load_kernel, pick_kernel, rows_alone)
 from models.cpu_quant import Int4Linear, quantize_cpu
 from models.native import NativeUnavailable
 from tests.conftest import chain_at_once, one_token_at_a_time, random_head, tiny_target
@@ -179,3 +179,10 @@ def test_a_kernel_serves_every_size_when_it_saves_overall_and_amx_mixes_only_on_
     assert pick_kernel(both) == ("amx", 1)
     assert kernel_edges(KernelChoice(kernel="amx", kernel_from=8)) == (8,) and kernel_edges(KernelChoice(kernel="rows")) == ()
     assert kernel_edges(KernelChoice(16, 64, kernel="amx", kernel_from=4)) == (4, 16)
+
+
+def test_row_attention_is_taken_only_beside_a_kernel_that_computes_each_row_alone():
+    assert rows_alone(KernelChoice(kernel="rows")) and rows_alone(KernelChoice(kernel="amx"))
+    assert not rows_alone(KernelChoice())                                    # torch's int4 kernel
+    assert not rows_alone(KernelChoice(kernel="amx", kernel_from=4))         # a mix: one token on int4
+    assert not rows_alone(KernelChoice(16, 64, kernel="rows"))               # trees of 16 on the fp32 twin

@@ -24,7 +24,7 @@ from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
 from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_target_kernel, apply_wide, cached_choice,
                                choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
-                               head_weights_here, kernel_edges, load_kernel, machine_key, time_draft_steps, twin_fits)
+                               head_weights_here, kernel_edges, load_kernel, machine_key, rows_alone, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
                                profile_mismatch)
@@ -55,9 +55,8 @@ class EngineSpec:
     pins: Pins = Pins()               # what the user fixed; the tuner chooses the rest
     vram_reserve_gb: float = 0.5      # GPU memory left to other programs
     compile: bool = True              # compile the target's forward per tree bucket; False = eager (--no-compile)
-    # A CPU int4/int8 target's attention: one of models/quants.py ATTENTIONS. "rows" is exact eagerly
-    # but its compiled trees parted from plain decoding on 4 of 16 MT-bench prompts (2-core EPYC): not the default.
-    attention: str = "sdpa"
+    # A CPU int4/int8 target's attention: one of models/quants.py ATTENTIONS (auto: `rows_alone`, core/tune/kernels.py).
+    attention: str = "auto"
     kernel_mix: bool = False          # trees may run on another 4-bit kernel than one token (--kernel-mix)
 
 
@@ -137,8 +136,10 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: 
     3 s for the embedded model on the bf16x3 twin)."""
     target, onednn, placement = load_fast_target(spec, probe)
     strategy = resolved_strategy(spec)
-    rows = spec.attention == "rows" and row_attention(target, spec.cache_dir, report)
-    kernels = cpu_kernels(target, spec, strategy, report, prefills, rows) if target.quant in CPU_QUANTS else None
+    asked = spec.attention == "rows" and row_attention(target, spec.cache_dir, report)
+    kernels = cpu_kernels(target, spec, strategy, report, prefills, asked) if target.quant in CPU_QUANTS else None
+    rows = asked or (spec.attention == "auto" and kernels is not None and rows_alone(kernels)
+                     and row_attention(target, spec.cache_dir, report))
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter()}
     if strategy == "eagle":
         drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), kernels.head if kernels else "int8")

@@ -266,6 +266,16 @@ def pick_amx_from(best: dict) -> int | None:
     return next((n for i, n in enumerate(sizes) if all(wins(m) for m in sizes[i:])), None)
 
 
+def rows_alone(choice: KernelChoice) -> bool:
+    """Whether every verify size runs the target's linears on one kernel that computes each row
+    alone in one order (q4_rows, or AMX at every size) and no fp32 twin: then attention on the
+    fp32 row kernel (models/attention.py) keeps a tree's logits equal to one token's, compiled
+    too. Beside torch's int4 kernel, whose sums of a row depend on the rows beside it, compiled
+    trees with fp32 attention parted from plain decoding on 4 of 16 MT-bench prompts (2-core
+    EPYC); on q4_rows none did (16 prompts, `tie_divergences` 0)."""
+    return choice.kernel in ("rows", "amx") and choice.kernel_from == 1 and choice.wide_from is None
+
+
 def apply_target_kernel(target: Target, choice: KernelChoice, cache_dir: Path) -> None:
     """Put the target's int4 layers on the kernel `choice` names (raises NativeUnavailable where it
     was chosen on this machine once and cannot be loaded now)."""
