@@ -63,7 +63,7 @@ def test_a_tree_nodes_row_is_its_token_alone_wherever_its_column_sits():
     sum, when lanes took columns by index: compiled trees parted from plain decoding, issue 17)."""
     g = torch.Generator().manual_seed(4)
     blocked = torch.finfo(torch.float32).min
-    for trial in range(40):
+    for _ in range(40):
         past, gap = int(torch.randint(5, 150, (), generator=g)), int(torch.randint(1, 9, (), generator=g))
         q, k, v = (torch.randn(3, rows, 64, generator=g) for rows in (3, past + gap + 1, past + gap + 1))
         alone = attention.attend(q, k, v, torch.zeros(1, past + 1), 0.125)          # the token at column `past`

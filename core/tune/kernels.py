@@ -270,9 +270,10 @@ def rows_alone(choice: KernelChoice) -> bool:
     """Whether every verify size runs the target's linears on one kernel that computes each row
     alone in one order (q4_rows, or AMX at every size) and no fp32 twin: then attention on the
     fp32 row kernel (models/attention.py) keeps a tree's logits equal to one token's, compiled
-    too. Beside torch's int4 kernel, whose sums of a row depend on the rows beside it, compiled
-    trees with fp32 attention parted from plain decoding on 4 of 16 MT-bench prompts (2-core
-    EPYC); on q4_rows none did (16 prompts, `tie_divergences` 0)."""
+    too (16 of 16 MT-bench prompts x 64 tokens on q4_rows, 2-core EPYC). Beside torch's int4
+    kernel compiled trees with fp32 attention parted from plain decoding on 4 of 16 prompts, but
+    that was before the row kernel's sum stopped depending on where a node's column sits (the
+    likelier cause); unchecked since, so fp64 SDPA stays there."""
     return choice.kernel in ("rows", "amx") and choice.kernel_from == 1 and choice.wide_from is None
 
 
