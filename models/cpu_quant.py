@@ -72,6 +72,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("wide", None)                          # the same weights, fp32, packed for oneDNN
         self.kernel = "int4"           # the 4-bit kernel computing calls of `kernel_from` rows or more: one of KERNELS
         self.kernel_from = 1           # (fewer rows: torch's int4 kernel)
+        self.tiles_from = q4_rows.NEVER   # q4_rows: calls of this many rows or more on its tiled path
         for name in ("amx_codes", "amx_d", "amx_z", "rows_codes"):   # the same weights for AMX / q4_rows (use_kernel)
             self.register_buffer(name, None)
         if keep_weight:  # for readers of `.weight` (a tied LM head that drafters slice)
@@ -94,13 +95,14 @@ class Int4Linear(nn.Module):
         scale, zero = (self.scale_zero[..., i].float().t().repeat_interleave(GROUP, 1) for i in (0, 1))  # (N, K)
         return (self.codes().float() - 8) * scale + zero
 
-    def use_kernel(self, kernel: str, from_rows: int = 1, free: bool = True) -> None:
+    def use_kernel(self, kernel: str, from_rows: int = 1, free: bool = True, tiles_from: int = q4_rows.NEVER) -> None:
         """Compute calls of `from_rows` rows or more on `kernel` (one of KERNELS; amx and rows from
         models/amx.py and models/q4_rows.py, loaded first) from the same codes, scales and zeros:
         the same weight values, the output rounded to bf16 as the int4 kernel's is, so only the
         order of the fp32 sums differs. `free`: drop the copies no kernel in use needs (torch's
         own where q4_rows serves every size); without it, copies stay for switching back. Where
-        a shape does not suit the kernel, raise ValueError."""
+        a shape does not suit the kernel, raise ValueError. tiles_from: q4_rows' calls of this
+        many rows or more take its tiled path (the same bits; `q4_rows.matmul`)."""
         if kernel not in KERNELS:
             raise ValueError(f"a 4-bit kernel is one of {KERNELS}, not {kernel!r}")
         k, n = self.in_features, self.out_features
@@ -113,7 +115,7 @@ class Int4Linear(nn.Module):
             if not q4_rows.fits(k, n):
                 raise ValueError(f"a {k}x{n} linear does not fit the q4_rows kernel's vectors")
             self.rows_codes = q4_rows.pack(self.codes(), self.scale_zero)
-        self.kernel, self.kernel_from = kernel, from_rows
+        self.kernel, self.kernel_from, self.tiles_from = kernel, from_rows, tiles_from
         if not free:
             return
         rows_alone = kernel == "rows" and from_rows == 1           # torch's copy then serves nothing
@@ -149,7 +151,7 @@ class Int4Linear(nn.Module):
         if self.wide_from is not None and m >= self.wide_from:
             y = onednn_matmul(flat.to(bf16), self.wide, n, self.wide_kind).to(bf16)
         elif self.kernel == "rows" and m >= self.kernel_from:
-            y = q4_rows.matmul(flat, self.rows_codes, n)               # rounds fp32 inputs and outputs to bf16 itself
+            y = q4_rows.matmul(flat, self.rows_codes, n, self.tiles_from)   # rounds fp32 inputs and outputs to bf16 itself
         elif self.kernel == "amx" and m >= self.kernel_from:
             y = torch.ops.aerie_amx.q41_mm(flat.to(bf16), self.amx_codes, self.amx_d, self.amx_z, n).to(bf16)
         else:

@@ -24,6 +24,7 @@ import torch
 from models.native import CSRC, build, digest
 
 NAME = "q4_rows"
+NEVER = 1 << 30   # a `tiles_from` no call reaches (the op's default)
 
 
 def compiler_flags(cpu_flags: Iterable[str]) -> tuple[str, ...]:
@@ -41,7 +42,7 @@ def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_q4` available (built once into `cache_dir`); raises NativeUnavailable
     with the reason where it cannot be built."""
     if build(NAME, compiler_flags(cpu_flags), cache_dir):
-        torch.library.register_fake("aerie_q4::mm", lambda x, packed, n: x.new_empty(x.shape[0], n, dtype=torch.float32))
+        torch.library.register_fake("aerie_q4::mm", lambda x, packed, n, tiles_from=NEVER: x.new_empty(x.shape[0], n, dtype=torch.float32))
 
 
 def fits(in_features: int, out_features: int) -> bool:
@@ -60,7 +61,9 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
     return torch.ops.aerie_q4.unpack(packed, out_features, in_features)
 
 
-def matmul(rows: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def matmul(rows: torch.Tensor, packed: torch.Tensor, out_features: int, tiles_from: int = NEVER) -> torch.Tensor:
     """rows (M, K) fp32 or bf16, rounded to bf16 @ W^T -> (M, N) fp32 holding bf16 values (the
-    int4 kernel's inputs and outputs, without its casts), W the int4 values `pack` packed."""
-    return torch.ops.aerie_q4.mm(rows, packed, out_features)
+    int4 kernel's inputs and outputs, without its casts), W the int4 values `pack` packed. Calls
+    of `tiles_from` rows or more dequantize each group once into an L1 tile that all rows then
+    read; fewer keep weights in registers for up to 4-6 rows at a time. The same bits either way."""
+    return torch.ops.aerie_q4.mm(rows, packed, out_features, tiles_from)

@@ -15,8 +15,9 @@ from core.config import TreeConfig
 from core.engine import Engine
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.eagle import EagleDrafter
-from core.tune.kernels import (KernelChoice, apply_target_kernel, choose_target_kernel, int4_layers, kernel_edges,
-                               load_kernel, pick_kernel, rows_alone)
+from core.tune.kernels import (TILE_ROWS, KernelChoice, apply_target_kernel, choose_target_kernel, first_winning,
+                               int4_layers, kernel_edges, load_kernel, pick_kernel, rows_alone)
+from models import q4_rows
 from models.cpu_quant import Int4Linear, quantize_cpu
 from models.native import NativeUnavailable
 from tests.conftest import chain_at_once, one_token_at_a_time, random_head, tiny_target
@@ -42,7 +43,7 @@ def kernel(request, kernel_dir):
 def native_sums(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     if layer.kernel == "amx":
         return torch.ops.aerie_amx.q41_mm(x, layer.amx_codes, layer.amx_d, layer.amx_z, layer.out_features)
-    return torch.ops.aerie_q4.mm(x, layer.rows_codes, layer.out_features)
+    return q4_rows.matmul(x, layer.rows_codes, layer.out_features)
 
 
 @pytest.mark.parametrize("shape", [(64, 32), (576, 1536), (1536, 576), (576, 192)])
@@ -71,6 +72,26 @@ def test_a_kernel_computes_the_int4_layers_weights_row_by_row(kernel, shape):
     assert torch.equal(layer(x), int4)
 
 
+@pytest.mark.parametrize("shape", [(64, 32), (576, 1536), (1536, 576), (576, 192), (96, 80)])
+def test_q4_rows_tiled_path_gives_its_register_paths_bits(kernel, shape):
+    """Each output's sum runs over its inputs in one order on either path, so a tile serves any
+    row count (up to and past the 48 rows one block keeps) with the same bits, bf16 inputs too."""
+    if kernel != "rows":
+        pytest.skip("q4_rows only")
+    k, n = shape
+    torch.manual_seed(0)
+    layer = Int4Linear(torch.nn.Linear(k, n, bias=False))
+    layer.use_kernel("rows")
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(1))
+    for m in (1, 2, 3, 4, 5, 7, 8, 13, 16, 47, 48, 49, 64, 100):
+        registers = q4_rows.matmul(x[:m], layer.rows_codes, n)
+        assert torch.equal(q4_rows.matmul(x[:m], layer.rows_codes, n, tiles_from=1), registers)
+        assert torch.equal(q4_rows.matmul(x[:m].bfloat16(), layer.rows_codes, n, tiles_from=m), registers)
+    y = layer(x)
+    layer.use_kernel("rows", tiles_from=8)
+    assert layer.tiles_from == 8 and torch.equal(layer(x), y) and torch.equal(layer(x[:5]), y[:5])
+
+
 def test_q4_rows_alone_holds_the_codes_and_gives_them_back(kernel):
     """Serving every size, q4_rows frees torch's copy of the codes; a twin or int4 again reads them back exactly."""
     if kernel != "rows":
@@ -95,10 +116,13 @@ def test_a_kernel_refuses_shapes_it_does_not_fit(kernel):
         torch.ops.aerie_q4.mm(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int32), 16)
 
 
-def test_tree_logits_on_a_kernel_equal_one_token_at_a_time_bit_for_bit(kernel, kernel_dir):
+@pytest.mark.parametrize("tiles_from", [None, 2])
+def test_tree_logits_on_a_kernel_equal_one_token_at_a_time_bit_for_bit(kernel, kernel_dir, tiles_from):
+    if tiles_from and kernel != "rows":
+        pytest.skip("q4_rows' tiled path only")
     target = int4_target(seed=2)
-    apply_target_kernel(target, KernelChoice(kernel=kernel), kernel_dir)
-    assert all(layer.kernel == kernel for layer in int4_layers(target))
+    apply_target_kernel(target, KernelChoice(kernel=kernel, tiles_from=tiles_from), kernel_dir)
+    assert all(layer.kernel == kernel and layer.tiles_from == (tiles_from or q4_rows.NEVER) for layer in int4_layers(target))
     runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8)))
     ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     runner.prefill(ids[:16], 0)
@@ -137,11 +161,18 @@ def test_trees_on_amx_over_plain_decoding_on_int4_give_plain_decodings_text(kern
 
 def test_choose_target_kernel_times_each_and_leaves_the_layers_on_its_choice(kernel, kernel_dir):
     target = int4_target()
-    chosen, from_rows, ms = choose_target_kernel(target, kernel_dir, report=lambda line: None)
-    assert from_rows == 1 and set(ms) == {"1", "2", "4", "8", "16"}
+    choice = choose_target_kernel(target, kernel_dir, report=lambda line: None)
+    chosen, ms = choice.kernel, choice.ms
+    assert choice.from_rows == 1 and set(ms) == {"1", "2", "4", "8", "16"}
     assert all(kernel in v and "int4" in v and min(v.values()) > 0 for v in ms.values())
     assert chosen in ms["1"]
     assert all(layer.kernel == chosen for layer in int4_layers(target))
+    if chosen == "rows":   # its two paths timed; the layers on the first size from which tiles won
+        assert set(choice.tiles_ms) == {str(n) for n in TILE_ROWS}
+        assert choice.tiles_from in (None, *TILE_ROWS)
+        assert all(layer.tiles_from == (choice.tiles_from or q4_rows.NEVER) for layer in int4_layers(target))
+    else:
+        assert choice.tiles_from is None and choice.tiles_ms == {}
     assert all((layer.rows_codes is None) == (chosen != "rows") and (layer.amx_codes is None) == (chosen != "amx")
                for layer in int4_layers(target))
 
@@ -156,7 +187,8 @@ def test_a_layer_that_does_not_fit_amx_leaves_the_whole_target_off_it(kernel, ke
     quantize_cpu(model, "int4")    # the MLP's down projection has 96 inputs: int4 packs it, AMX's tiles do not
     target = replace(tiny_target(model), quant="int4")
     lines = []
-    chosen, _, ms = choose_target_kernel(target, kernel_dir, report=lines.append)
+    choice = choose_target_kernel(target, kernel_dir, report=lines.append)
+    chosen, ms = choice.kernel, choice.ms
     assert chosen != "amx" and all("amx" not in v for v in ms.values())
     assert all(layer.amx_codes is None for layer in int4_layers(target))
     assert any("96x64" in line for line in lines)
@@ -179,6 +211,19 @@ def test_a_kernel_serves_every_size_when_it_saves_overall_and_amx_mixes_only_on_
     assert pick_kernel(both) == ("amx", 1)
     assert kernel_edges(KernelChoice(kernel="amx", kernel_from=8)) == (8,) and kernel_edges(KernelChoice(kernel="rows")) == ()
     assert kernel_edges(KernelChoice(16, 64, kernel="amx", kernel_from=4)) == (4, 16)
+    assert kernel_edges(KernelChoice(kernel="rows", tiles_from=8)) == ()    # an opaque op's own switch: the same bits
+
+
+def test_q4_rows_tiles_serve_from_the_first_size_they_win_at_every_larger_one():
+    """Linears-alone ms, 2-core EPYC with AVX2 (session 20's hot-cache ratios): registers win at
+    2 rows, tiles from about 4-8. The same bits either way, so no margin: a tie goes to tiles."""
+    epyc = {2: {"rows": 12.0, "tiles": 17.0}, 4: {"rows": 17.0, "tiles": 17.5}, 8: {"rows": 31.0, "tiles": 26.0},
+            16: {"rows": 60.0, "tiles": 43.0}, 32: {"rows": 120.0, "tiles": 80.0}, 64: {"rows": 250.0, "tiles": 170.0}}
+    assert first_winning(epyc, "tiles", "rows", win=1.0) == 8
+    assert first_winning({**epyc, 4: {"rows": 17.0, "tiles": 17.0}}, "tiles", "rows", win=1.0) == 4
+    assert first_winning({**epyc, 32: {"rows": 80.0, "tiles": 81.0}}, "tiles", "rows", win=1.0) == 64
+    assert first_winning({n: {"rows": 1.0, "tiles": 2.0} for n in epyc}, "tiles", "rows", win=1.0) is None
+    assert "tiled from 8 rows" in KernelChoice(kernel="rows", tiles_from=8).describe()
 
 
 def test_row_attention_is_taken_only_beside_a_kernel_that_computes_each_row_alone():

@@ -22,8 +22,8 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
-from core.tune.kernels import (WIDE_ROWS, KernelChoice, TreeKernels, apply_target_kernel, apply_wide, cached_choice,
-                               choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
+from core.tune.kernels import (WIDE_ROWS, KernelChoice, TargetKernel, TreeKernels, apply_target_kernel, apply_wide,
+                               cached_choice, choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
                                head_weights_here, kernel_edges, load_kernel, machine_key, rows_alone, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
@@ -246,8 +246,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
 
     def measure() -> KernelChoice:
         report("Aerie: timing this CPU's kernels for trees and drafts (once; cached for later starts)...")
-        kernel, kernel_from, kernel_ms = (choose_target_kernel(target, spec.cache_dir, report, spec.kernel_mix)
-                                          if target.quant == "int4" else ("int4", 1, {}))
+        kernel = choose_target_kernel(target, spec.cache_dir, report, spec.kernel_mix) if target.quant == "int4" else TargetKernel()
         trees = (choose_wide_from(target, row_attention=rows) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
         prefill, prefill_ms = (choose_prefill(target, psutil.virtual_memory().available, rows) if target.quant == "int4"
@@ -257,7 +256,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)),
                                                   head_weights_here(spec.cache_dir))
         return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms,
-                            kernel, kernel_from, kernel_ms)
+                            kernel.kernel, kernel.from_rows, kernel.ms, kernel.tiles_from, kernel.tiles_ms)
 
     choice, cached = cached_choice(spec.cache_dir, key, measure)
     if cached:
@@ -265,7 +264,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
             apply_target_kernel(target, choice, spec.cache_dir)
         except NativeUnavailable as e:   # chosen here once, gone now (a compiler removed): say so, run int4
             report(f"Aerie: the {choice.kernel} kernel chosen for this machine cannot load ({e}); the target runs on int4.")
-            choice = replace(choice, kernel="int4", kernel_from=1)
+            choice = replace(choice, kernel="int4", kernel_from=1, tiles_from=None)
     apply_wide(target, choice, prefills)
     return choice
 

@@ -46,8 +46,9 @@ PAYING_TOKENS = 3.0
 HEAD_WEIGHTS = ("int8", "int4", "bf16", "q4_rows")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
-VERSION = 7
+VERSION = 8
 TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on each 4-bit kernel
+TILE_ROWS = (2, 4, 8, 16, 32, 64)   # sizes where q4_rows' tiled path may beat its register one
 KERNEL_NAMES = {"int4": "int4", "amx": "AMX 4-bit", "rows": "q4_rows"}
 PREFILL_ROWS = 512             # one prefill chunk (core/runtime/runner.py PREFILL_CHUNK)
 PREFILL_FROM = max(WIDE_ROWS) + 1   # a prefill's twin serves calls past every verify bucket
@@ -68,10 +69,13 @@ class KernelChoice:
     kernel: str = "int4"
     kernel_from: int = 1
     target_ms: dict = field(default_factory=dict)    # rows -> {kernel: ms}, eager verifies
+    tiles_from: int | None = None                    # q4_rows: rows from which its tiled path runs (the same bits)
+    tiles_ms: dict = field(default_factory=dict)     # rows -> {"rows": ms, "tiles": ms}, the linears alone
 
     def describe(self) -> str:
         name = KERNEL_NAMES[self.kernel]
         kernel = name if self.kernel_from == 1 else f"int4, {name} from {self.kernel_from} rows"
+        kernel += f" (tiled from {self.tiles_from} rows)" if self.tiles_from else ""
         wide = f"{kernel}, fp32 twin from {self.wide_from} rows" if self.wide_from else f"{kernel} at every size"
         prefill = "" if self.prefill == "int4" or self.wide_from else f", prefill on the {self.prefill} twin"
         return f"target {wide}, trees up to {self.largest}{prefill}; head {self.head}"
@@ -187,12 +191,22 @@ def load_kernel(kernel: str, cache_dir: Path) -> None:
         q4_rows.load(cache_dir, cpu_flags())
 
 
+@dataclass(frozen=True)
+class TargetKernel:
+    kernel: str = "int4"            # one of KERNELS, serving calls of `from_rows` rows or more (fewer: int4)
+    from_rows: int = 1
+    ms: dict = field(default_factory=dict)          # rows -> {kernel: ms}, the linears alone (TARGET_ROWS)
+    tiles_from: int | None = None   # q4_rows: rows from which its tiled path runs (`choose_tiles_from`)
+    tiles_ms: dict = field(default_factory=dict)    # rows -> {"rows": ms, "tiles": ms} (TILE_ROWS)
+
+
 @torch.inference_mode()
-def choose_target_kernel(target: Target, cache_dir: Path, report=print, mix: bool = False) -> tuple[str, int, dict]:
+def choose_target_kernel(target: Target, cache_dir: Path, report=print, mix: bool = False) -> TargetKernel:
     """Which 4-bit kernel the target's int4 layers run on: torch's, AMX (models/amx.py) or
     q4_rows (models/q4_rows.py), each built where it can be, by timing the target's linears at
-    TARGET_ROWS rows on each (`time_linears`, `pick_kernel`; `mix`: whether AMX may serve trees beside int4's one token).
-    -> (kernel, from rows, timings); leaves the layers on the choice. Says why a kernel cannot run."""
+    TARGET_ROWS rows on each (`time_linears`, `pick_kernel`; `mix`: whether AMX may serve trees
+    beside int4's one token), then for q4_rows where its tiled path pays. Leaves the layers on
+    the choice. Says why a kernel cannot run."""
     layers = int4_layers(target)
     kernels = ["int4"]
     for kernel in ("rows", "amx"):
@@ -204,16 +218,34 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print, mix: boo
         except (NativeUnavailable, ValueError) as e:
             report(f"Aerie: no {KERNEL_NAMES[kernel]} kernel for the target here ({e}).")
     if len(kernels) == 1:
-        return "int4", 1, {}
+        return TargetKernel()
 
     def setup(kernel: str) -> None:
         for layer in layers:
             layer.use_kernel(kernel, free=False)
     best = time_linears(layers, {n: tuple(kernels) for n in TARGET_ROWS}, setup)
     kernel, from_rows = pick_kernel(best, mix)
+    tiles_from, tiles_ms = choose_tiles_from(layers) if kernel == "rows" else (None, {})
     for layer in layers:
-        layer.use_kernel(kernel, from_rows)
-    return kernel, from_rows, {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
+        layer.use_kernel(kernel, from_rows, tiles_from=tiles_from or q4_rows.NEVER)
+    return TargetKernel(kernel, from_rows, rounded(best), tiles_from, tiles_ms)
+
+
+def choose_tiles_from(layers: list[Int4Linear]) -> tuple[int | None, dict]:
+    """Time q4_rows' two paths (the same bits) on `layers` at TILE_ROWS rows: keeping weights in
+    registers re-dequantizes them every 4-6 rows, a tile dequantizes each group once but loads
+    and stores the sums from L1 -> (the first size from which the tile is no slower at each
+    larger one, or None; the timings)."""
+    def setup(path: str) -> None:
+        for layer in layers:
+            layer.use_kernel("rows", free=False, tiles_from=1 if path == "tiles" else q4_rows.NEVER)
+    best = time_linears(layers, {n: ("rows", "tiles") for n in TILE_ROWS}, setup)
+    return first_winning(best, "tiles", "rows", win=1.0), rounded(best)
+
+
+def rounded(best: dict) -> dict:
+    """rows -> {name: ms} with string keys and 0.01 ms, as the cache stores it."""
+    return {str(n): {k: round(v, 2) for k, v in t.items()} for n, t in best.items()}
 
 
 def time_linears(layers: list[Int4Linear], kernels: dict, setup) -> dict:
@@ -251,18 +283,18 @@ def pick_kernel(best: dict, mix: bool = False) -> tuple[str, int]:
                and total[k] <= WIN * total["int4"]]
     if serving:
         return min(serving, key=total.get), 1
-    first = pick_amx_from(best) if mix and "amx" in total else None
+    first = first_winning(best, "amx", "int4") if mix and "amx" in total else None
     return ("amx", first) if first is not None else ("int4", 1)
 
 
-def pick_amx_from(best: dict) -> int | None:
-    """best: rows -> {"int4": ms, "amx": ms} -> the first timed size from which AMX serves every
-    larger one: where it saves 10% at that size and each above (1 row: where it costs at most 5%
-    more); None where it never does."""
+def first_winning(best: dict, kernel: str, other: str, win: float = WIN) -> int | None:
+    """best: rows -> {kernel: ms, other: ms} -> the first timed size from which `kernel` serves
+    every larger one: where it costs at most `win` times `other` at that size and each above
+    (1 row: at most 5% more); None where it never does."""
     sizes = sorted(best)
 
     def wins(n: int) -> bool:
-        return best[n]["amx"] <= (1.05 if n == 1 else WIN) * best[n]["int4"]
+        return best[n][kernel] <= (1.05 if n == 1 else win) * best[n][other]
     return next((n for i, n in enumerate(sizes) if all(wins(m) for m in sizes[i:])), None)
 
 
@@ -283,7 +315,7 @@ def apply_target_kernel(target: Target, choice: KernelChoice, cache_dir: Path) -
     if choice.kernel != "int4":
         load_kernel(choice.kernel, cache_dir)
         for layer in int4_layers(target):
-            layer.use_kernel(choice.kernel, choice.kernel_from)
+            layer.use_kernel(choice.kernel, choice.kernel_from, tiles_from=choice.tiles_from or q4_rows.NEVER)
 
 
 def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
@@ -294,7 +326,7 @@ def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
     pays = [n for n in rows if min(best[n].values()) < PAYING_TOKENS * best[1]["int4"]]
     largest = max([rows[0], *(n for n in rows if all(m in pays for m in rows if m <= n))])
     return TreeKernels(start if start is not None and start <= largest else None, largest,
-                       {str(n): {k: round(v, 2) for k, v in ms.items()} for n, ms in best.items()})
+                       rounded(best))
 
 
 def twin_fits(target: Target, free_bytes: int, kind: str = "fp32", decoder_only: bool = False) -> bool:

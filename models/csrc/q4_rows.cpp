@@ -48,6 +48,14 @@ inline vf round_bf16(vf x) {
 constexpr int64_t GROUP_WORDS = 5;  // x W int32 per group
 inline int64_t block_start(int64_t b, int64_t groups) { return b * groups * GROUP_WORDS * NV * L; }
 
+// Input 8q + i's weights from a code word (nibble i: c ^ 8, so the arithmetic shift gives c - 8):
+// fma(c - 8, d, z), one rounding. The (d, z) pair is one int32: d the low bf16, z the high.
+inline vf weight(vi word, int i, vf scale, vf zero) {
+  return __builtin_convertvector((word << (28 - 4 * i)) >> 28, vf) * scale + zero;
+}
+inline vf scale_of(vi pair) { return as_float(pair << 16); }
+inline vf zero_of(vi pair) { return as_float(pair & int32_t(0xFFFF0000u)); }
+
 // Rows R of x (fp32, row stride K) times V vectors of a block's outputs from its vector v0 on.
 template <int R, int V>
 void block_of(const float* x, int64_t k, const int32_t* block, int64_t width, int v0, int64_t n, float* out) {
@@ -57,8 +65,8 @@ void block_of(const float* x, int64_t k, const int32_t* block, int64_t width, in
     vf scale[V], zero[V];
     for (int v = 0; v < V; v++) {
       const vi pair = load<vi>(group + 4 * width + v * L);
-      scale[v] = as_float(pair << 16);
-      zero[v] = as_float(pair & int32_t(0xFFFF0000u));
+      scale[v] = scale_of(pair);
+      zero[v] = zero_of(pair);
     }
     for (int q = 0; q < 4; q++) {
       vi word[V];
@@ -67,7 +75,7 @@ void block_of(const float* x, int64_t k, const int32_t* block, int64_t width, in
 #pragma GCC unroll 8
       for (int i = 0; i < 8; i++)
         for (int v = 0; v < V; v++) {
-          const vf w = __builtin_convertvector((word[v] << (28 - 4 * i)) >> 28, vf) * scale[v] + zero[v];
+          const vf w = weight(word[v], i, scale[v], zero[v]);
           for (int r = 0; r < R; r++) acc[r][v] += w * xs[r * k + i];  // a scalar broadcast (0 + x would be an add)
         }
     }
@@ -97,7 +105,84 @@ void rows_for(int rows, int vectors, const float* x, int64_t k, const int32_t* b
   ((rows == Rs + 1 ? rows_of<Rs + 1>(vectors, x, k, block, n, out) : void()), ...);
 }
 
-at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+// ---- tiled path: a group's weights dequantized once into an L1 tile, then rows x vectors of FMAs ----
+// The same arithmetic per output as block_of (`weight`, then sum += w x over k in order, from 0),
+// so a row's bits do not depend on which path or which rows came beside it.
+// One group (32 inputs) of a block's `width` outputs -> tile[i * width + o], fp32.
+void dequant_group(const int32_t* group, int64_t width, float* tile) {
+  for (int64_t o = 0; o < width; o += L) {
+    const vi pair = load<vi>(group + 4 * width + o);
+    const vf scale = scale_of(pair), zero = zero_of(pair);
+    for (int q = 0; q < 4; q++) {
+      const vi word = load<vi>(group + q * width + o);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; i++) store(tile + (q * 8 + i) * width + o, weight(word, i, scale, zero));
+    }
+  }
+}
+
+// sums[r][v] (R rows x V vectors, row stride `width`) += tile's 32 inputs x rows of x (stride k).
+template <int R, int V>
+void tile_fma(const float* tile, int64_t width, const float* x, int64_t k, float* sums) {
+  vf acc[R][V];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) acc[r][v] = load<vf>(sums + r * width + v * L);
+#pragma GCC unroll 4
+  for (int i = 0; i < 32; i++) {
+    vf w[V];
+    for (int v = 0; v < V; v++) w[v] = load<vf>(tile + i * width + v * L);
+    for (int r = 0; r < R; r++) {
+      const float xr = x[r * k + i];
+      for (int v = 0; v < V; v++) acc[r][v] += w[v] * xr;
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < V; v++) store(sums + r * width + v * L, acc[r][v]);
+}
+
+constexpr int TR = L == 16 ? 6 : 4;   // rows per FMA pass
+constexpr int TV = L == 16 ? 4 : 2;   // vectors per FMA pass: TR TV sums + TV weights + a broadcast in registers
+
+template <int R>
+void tile_rows(int vectors, const float* tile, int64_t width, const float* x, int64_t k, float* sums) {
+  for (int v0 = 0; v0 < vectors; v0 += TV) {
+    switch (std::min(TV, vectors - v0)) {
+      case 1: tile_fma<R, 1>(tile + v0 * L, width, x, k, sums + v0 * L); break;
+      case 2: tile_fma<R, 2>(tile + v0 * L, width, x, k, sums + v0 * L); break;
+      case 3: tile_fma<R, 3>(tile + v0 * L, width, x, k, sums + v0 * L); break;
+      default: tile_fma<R, TV>(tile + v0 * L, width, x, k, sums + v0 * L); break;
+    }
+  }
+}
+
+template <int... Rs>
+void tile_rows_for(int rows, int vectors, const float* tile, int64_t width, const float* x, int64_t k, float* sums,
+                   std::integer_sequence<int, Rs...>) {
+  ((rows == Rs + 1 ? tile_rows<Rs + 1>(vectors, tile, width, x, k, sums) : void()), ...);
+}
+
+constexpr int64_t CHUNK = 48;   // rows whose sums one block keeps (48 x 64 fp32: 12 KB)
+
+void block_tiled(const float* x, int64_t m, int64_t k, const int32_t* block, int vectors, int64_t n, float* out,
+                 float* tile, float* sums) {
+  const int64_t width = int64_t(vectors) * L;
+  for (int64_t r0 = 0; r0 < m; r0 += CHUNK) {
+    const int64_t rows = std::min(CHUNK, m - r0);
+    std::fill(sums, sums + rows * width, 0.0f);
+    for (int64_t g = 0; g < k / 32; g++) {
+      dequant_group(block + g * GROUP_WORDS * width, width, tile);
+      for (int64_t r = 0; r < rows; r += TR)
+        tile_rows_for(int(std::min<int64_t>(TR, rows - r)), vectors, tile, width, x + (r0 + r) * k + g * 32, k,
+                      sums + r * width, std::make_integer_sequence<int, TR>{});
+    }
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t o = 0; o < width; o += L) store(out + (r0 + r) * n + o, round_bf16(load<vf>(sums + r * width + o)));
+  }
+}
+
+// x (M, K) @ W^T -> (M, N) fp32: rows kept in registers below `tiles_from` rows, through an L1 tile
+// from there (the same bits either way; where the tile pays is measured per machine, core/tune).
+at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t tiles_from) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "x must be (M, K) fp32 or bf16");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % 32 == 0 && n % L == 0, "K must be a multiple of 32 and N of ", L);
@@ -125,6 +210,13 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const int64_t block = NV * L, blocks = (n + block - 1) / block, groups = k / 32;
   // A task: one block of outputs for every row; a thread takes at least ~64K weights' work.
   at::parallel_for(0, blocks, std::max<int64_t>(1, 65536 / (k * block)), [&](int64_t lo, int64_t hi) {
+    if (m >= tiles_from) {
+      std::vector<float> tile(32 * block), sums(CHUNK * block);
+      for (int64_t b = lo; b < hi; b++)
+        block_tiled(xp, m, k, pp + block_start(b, groups), int(std::min<int64_t>(NV, (n - b * block) / L)), n,
+                    op + b * block, tile.data(), sums.data());
+      return;
+    }
     for (int64_t b = lo; b < hi; b++) {
       const int vectors = int(std::min<int64_t>(NV, (n - b * block) / L));
       for (int64_t r = 0; r < m; r += RB)
@@ -187,7 +279,7 @@ int64_t block_outputs() { return L; }
 }  // namespace
 
 TORCH_LIBRARY(aerie_q4, lib) {
-  lib.def("mm(Tensor x, Tensor packed, int n) -> Tensor");
+  lib.def("mm(Tensor x, Tensor packed, int n, int tiles_from=1073741824) -> Tensor");   // default: never (q4_rows.NEVER)
   lib.def("pack(Tensor codes, Tensor scale_zero) -> Tensor");
   lib.def("unpack(Tensor packed, int n, int k) -> Tensor");
   lib.def("block_outputs() -> int", &block_outputs);
