@@ -13,6 +13,10 @@ fp32, so an eager call needs no casts around it.
 One linear, hot, 2-core AMD EPYC with AVX2 alone (ms at 1 / 2 / 4 / 8 / 16 rows): 576x1536
 0.065 / 0.089 / 0.134 / 0.277 / 0.505 against int4's 0.088 / 0.117 / 0.172 / 0.374 / 0.628; the
 576x49152 LM head 2.02 / 2.88 / 4.48 / 9.12 / 16.5 against 2.56 / 3.52 / 5.03 / 9.80 / 21.0.
+From a row count the tuner measures (core/tune/kernels.py `choose_tiles_from`) it takes a tiled
+path with the same bits: each group's weights dequantized once into an L1 tile that every row's
+FMAs read (hot, 2-core Zen 3 EPYC, ms registers / tile: 576x1536 at 8 rows 0.147 / 0.125, 16
+0.288 / 0.205, 64 1.19 / 0.81; the LM head at 16 rows 10.2 / 7.3).
 Built per machine (models/native.py) for its widest vectors: AVX-512, AVX2 or SSE.
 """
 

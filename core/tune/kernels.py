@@ -1,6 +1,8 @@
 """Which CPU kernel each part of a round runs on: measured on this machine, once, then cached.
 
-Two choices, each timed the way a chat runs it, never taken from a table:
+Each choice timed the way a chat runs it, never taken from a table:
+  - the target's 4-bit kernel (int4, q4_rows or AMX, the same weight values; `choose_target_kernel`)
+    and, on q4_rows, the row count from which its tiled path (the same bits) runs;
   - the target's linears for a tree of many rows: torch's int4 kernel, or from some row count on
     the layer's exact fp32 twin on oneDNN (models/cpu_quant.py `Int4Linear.widen`: the same
     weight values, so greedy output stays plain decoding's). Timed as whole eager verifies with
