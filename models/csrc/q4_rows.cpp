@@ -2,12 +2,12 @@
 // is computed alone, in one order, whatever rows come beside it (models/q4_rows.py says why).
 //
 // Weights are torch's int4 values: w = (c - 8) d + z with a code c in 0..15 and d, z per group of 32
-// inputs, computed here as fma(c - 8, d, z) in fp32, one rounding, as the int4 kernel does; inputs
-// and outputs are rounded to bf16 values as int4's are, but read and written as fp32. Lanes
-// are outputs: output n's sum runs over k = 0, 1, ... in order in one vector lane, with no
-// horizontal sums, so a row's result is the same bits alone or among others. A lane's 32-bit word
-// holds 8 inputs' codes (stored as c ^ 8, so a sign-extending shift gives c - 8 in two
-// operations); each weight is dequantized once per block of 4 rows, in registers.
+// inputs; per group x . w = d sum((c - 8) x) + z sum(x) (`group_total`), so no weight is
+// dequantized. Inputs and outputs are rounded to bf16 values as int4's are, but read and written
+// as fp32. Lanes are outputs: output n's sum runs over its groups in order, each group's over its
+// inputs in order, in one vector lane, with no horizontal sums, so a row's result is the same bits
+// alone or among others. A lane's 32-bit word holds 8 inputs' codes (stored as c ^ 8, so a
+// sign-extending shift gives c - 8 in two operations).
 // GCC vector types, as wide as the build's instruction set.
 #include <algorithm>
 #include <cstdint>
@@ -48,26 +48,30 @@ inline vf round_bf16(vf x) {
 constexpr int64_t GROUP_WORDS = 5;  // x W int32 per group
 inline int64_t block_start(int64_t b, int64_t groups) { return b * groups * GROUP_WORDS * NV * L; }
 
-// Input 8q + i's weights from a code word (nibble i: c ^ 8, so the arithmetic shift gives c - 8):
-// fma(c - 8, d, z), one rounding. The (d, z) pair is one int32: d the low bf16, z the high.
-inline vf weight(vi word, int i, vf scale, vf zero) {
-  return __builtin_convertvector((word << (28 - 4 * i)) >> 28, vf) * scale + zero;
-}
+// Per group of 32 inputs a weight is w = (c - 8) d + z, so x . w = d sum((c - 8) x) + z sum(x):
+// the codes' sum runs over the group from 0, each product exact (a bf16 x times a 4-bit integer
+// fits fp32's 24 bits), then the output's total takes d times it and z times the group's input
+// sum (`group_total`, two FMAs per 32 inputs); the same weight values as torch's int4, without
+// dequantizing each weight (an FMA per 8 weights, a fifth of the arithmetic at four rows).
+// Input 8q + i's code c - 8 from a word (nibble i holds c ^ 8, so the arithmetic shift gives c - 8).
+inline vf code_of(vi word, int i) { return __builtin_convertvector((word << (28 - 4 * i)) >> 28, vf); }
+// The (d, z) pair is one int32: d the low bf16, z the high.
 inline vf scale_of(vi pair) { return as_float(pair << 16); }
 inline vf zero_of(vi pair) { return as_float(pair & int32_t(0xFFFF0000u)); }
+inline vf group_total(vf total, vf codes_x, vi pair, float x_sum) {
+  total += codes_x * scale_of(pair);
+  return total + zero_of(pair) * x_sum;
+}
 
-// Rows R of x (fp32, row stride K) times V vectors of a block's outputs from its vector v0 on.
+// Rows R of x (fp32, row stride K; x_sum: each row's group sums, row stride K/32) times V vectors
+// of a block's outputs from its vector v0 on; out holds the totals between groups.
 template <int R, int V>
-void block_of(const float* x, int64_t k, const int32_t* block, int64_t width, int v0, int64_t n, float* out) {
-  vf acc[R][V] = {};
-  for (int64_t g = 0; g < k / 32; g++) {
+void block_of(const float* x, int64_t k, const float* x_sum, const int32_t* block, int64_t width, int v0, int64_t n,
+              float* out) {
+  const int64_t groups = k / 32;
+  for (int64_t g = 0; g < groups; g++) {
     const int32_t* group = block + g * GROUP_WORDS * width + v0 * L;
-    vf scale[V], zero[V];
-    for (int v = 0; v < V; v++) {
-      const vi pair = load<vi>(group + 4 * width + v * L);
-      scale[v] = scale_of(pair);
-      zero[v] = zero_of(pair);
-    }
+    vf acc[R][V] = {};
     for (int q = 0; q < 4; q++) {
       vi word[V];
       for (int v = 0; v < V; v++) word[v] = load<vi>(group + q * width + v * L);
@@ -75,58 +79,64 @@ void block_of(const float* x, int64_t k, const int32_t* block, int64_t width, in
 #pragma GCC unroll 8
       for (int i = 0; i < 8; i++)
         for (int v = 0; v < V; v++) {
-          const vf w = weight(word[v], i, scale[v], zero[v]);
-          for (int r = 0; r < R; r++) acc[r][v] += w * xs[r * k + i];  // a scalar broadcast (0 + x would be an add)
+          const vf c = code_of(word[v], i);
+          for (int r = 0; r < R; r++) acc[r][v] += c * xs[r * k + i];  // a scalar broadcast (0 + x would be an add)
         }
+    }
+    for (int v = 0; v < V; v++) {
+      const vi pair = load<vi>(group + 4 * width + v * L);
+      for (int r = 0; r < R; r++) {
+        float* at = out + r * n + v * L;
+        store(at, group_total(g ? load<vf>(at) : vf{}, acc[r][v], pair, x_sum[r * groups + g]));
+      }
     }
   }
   for (int r = 0; r < R; r++)
-    for (int v = 0; v < V; v++) store(out + r * n + v * L, round_bf16(acc[r][v]));
+    for (int v = 0; v < V; v++) store(out + r * n + v * L, round_bf16(load<vf>(out + r * n + v * L)));
 }
 
 template <int R>
-void rows_of(int vectors, const float* x, int64_t k, const int32_t* block, int64_t n, float* out) {
+void rows_of(int vectors, const float* x, int64_t k, const float* x_sum, const int32_t* block, int64_t n, float* out) {
   constexpr int per_pass = ACC / R >= 4 ? 4 : ACC / R >= 2 ? 2 : 1;
   const int64_t width = int64_t(vectors) * L;
   for (int v0 = 0; v0 < vectors; v0 += per_pass) {
     float* at = out + v0 * L;
     switch (std::min(per_pass, vectors - v0)) {
-      case 1: block_of<R, 1>(x, k, block, width, v0, n, at); break;
-      case 2: block_of<R, 2>(x, k, block, width, v0, n, at); break;
-      case 3: block_of<R, 3>(x, k, block, width, v0, n, at); break;
-      default: block_of<R, per_pass>(x, k, block, width, v0, n, at); break;
+      case 1: block_of<R, 1>(x, k, x_sum, block, width, v0, n, at); break;
+      case 2: block_of<R, 2>(x, k, x_sum, block, width, v0, n, at); break;
+      case 3: block_of<R, 3>(x, k, x_sum, block, width, v0, n, at); break;
+      default: block_of<R, per_pass>(x, k, x_sum, block, width, v0, n, at); break;
     }
   }
 }
 
 template <int... Rs>
-void rows_for(int rows, int vectors, const float* x, int64_t k, const int32_t* block, int64_t n, float* out,
+void rows_for(int rows, int vectors, const float* x, int64_t k, const float* x_sum, const int32_t* block, int64_t n,
+              float* out,
               std::integer_sequence<int, Rs...>) {
-  ((rows == Rs + 1 ? rows_of<Rs + 1>(vectors, x, k, block, n, out) : void()), ...);
+  ((rows == Rs + 1 ? rows_of<Rs + 1>(vectors, x, k, x_sum, block, n, out) : void()), ...);
 }
 
-// ---- tiled path: a group's weights dequantized once into an L1 tile, then rows x vectors of FMAs ----
-// The same arithmetic per output as block_of (`weight`, then sum += w x over k in order, from 0),
-// so a row's bits do not depend on which path or which rows came beside it.
-// One group (32 inputs) of a block's `width` outputs -> tile[i * width + o], fp32.
-void dequant_group(const int32_t* group, int64_t width, float* tile) {
-  for (int64_t o = 0; o < width; o += L) {
-    const vi pair = load<vi>(group + 4 * width + o);
-    const vf scale = scale_of(pair), zero = zero_of(pair);
+// ---- tiled path: a group's codes converted once into an L1 tile, then rows x vectors of FMAs ----
+// The same arithmetic per output as block_of (each group's sum from 0 over its inputs in order,
+// then `group_total`), so a row's bits do not depend on which path or which rows came beside it.
+// One group (32 inputs) of a block's `width` outputs -> tile[i * width + o] = c - 8, fp32.
+void codes_group(const int32_t* group, int64_t width, float* tile) {
+  for (int64_t o = 0; o < width; o += L)
     for (int q = 0; q < 4; q++) {
       const vi word = load<vi>(group + q * width + o);
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; i++) store(tile + (q * 8 + i) * width + o, weight(word, i, scale, zero));
+      for (int i = 0; i < 8; i++) store(tile + (q * 8 + i) * width + o, code_of(word, i));
     }
-  }
 }
 
-// sums[r][v] (R rows x V vectors, row stride `width`) += tile's 32 inputs x rows of x (stride k).
+// sums[r][v] (R rows x V vectors, row stride `width`): the group's total added (`group_total`),
+// its codes in `tile`, its (d, z) pairs at `pairs`; x: the group's 32 inputs of each row (stride k),
+// x_sum: each row's sum of them (stride `groups`).
 template <int R, int V>
-void tile_fma(const float* tile, int64_t width, const float* x, int64_t k, float* sums) {
-  vf acc[R][V];
-  for (int r = 0; r < R; r++)
-    for (int v = 0; v < V; v++) acc[r][v] = load<vf>(sums + r * width + v * L);
+void tile_fma(const float* tile, const int32_t* pairs, int64_t width, const float* x, int64_t k, const float* x_sum,
+              int64_t groups, float* sums) {
+  vf acc[R][V] = {};
 #pragma GCC unroll 4
   for (int i = 0; i < 32; i++) {
     vf w[V];
@@ -136,44 +146,52 @@ void tile_fma(const float* tile, int64_t width, const float* x, int64_t k, float
       for (int v = 0; v < V; v++) acc[r][v] += w[v] * xr;
     }
   }
-  for (int r = 0; r < R; r++)
-    for (int v = 0; v < V; v++) store(sums + r * width + v * L, acc[r][v]);
+  for (int v = 0; v < V; v++) {
+    const vi pair = load<vi>(pairs + v * L);
+    for (int r = 0; r < R; r++) {
+      float* at = sums + r * width + v * L;
+      store(at, group_total(load<vf>(at), acc[r][v], pair, x_sum[r * groups]));
+    }
+  }
 }
 
 constexpr int TR = L == 16 ? 6 : 4;   // rows per FMA pass
 constexpr int TV = L == 16 ? 4 : 2;   // vectors per FMA pass: TR TV sums + TV weights + a broadcast in registers
 
 template <int R>
-void tile_rows(int vectors, const float* tile, int64_t width, const float* x, int64_t k, float* sums) {
+void tile_rows(int vectors, const float* tile, const int32_t* pairs, int64_t width, const float* x, int64_t k,
+               const float* x_sum, int64_t groups, float* sums) {
   for (int v0 = 0; v0 < vectors; v0 += TV) {
     switch (std::min(TV, vectors - v0)) {
-      case 1: tile_fma<R, 1>(tile + v0 * L, width, x, k, sums + v0 * L); break;
-      case 2: tile_fma<R, 2>(tile + v0 * L, width, x, k, sums + v0 * L); break;
-      case 3: tile_fma<R, 3>(tile + v0 * L, width, x, k, sums + v0 * L); break;
-      default: tile_fma<R, TV>(tile + v0 * L, width, x, k, sums + v0 * L); break;
+      case 1: tile_fma<R, 1>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L); break;
+      case 2: tile_fma<R, 2>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L); break;
+      case 3: tile_fma<R, 3>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L); break;
+      default: tile_fma<R, TV>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L); break;
     }
   }
 }
 
 template <int... Rs>
-void tile_rows_for(int rows, int vectors, const float* tile, int64_t width, const float* x, int64_t k, float* sums,
-                   std::integer_sequence<int, Rs...>) {
-  ((rows == Rs + 1 ? tile_rows<Rs + 1>(vectors, tile, width, x, k, sums) : void()), ...);
+void tile_rows_for(int rows, int vectors, const float* tile, const int32_t* pairs, int64_t width, const float* x,
+                   int64_t k, const float* x_sum, int64_t groups, float* sums, std::integer_sequence<int, Rs...>) {
+  ((rows == Rs + 1 ? tile_rows<Rs + 1>(vectors, tile, pairs, width, x, k, x_sum, groups, sums) : void()), ...);
 }
 
 constexpr int64_t CHUNK = 48;   // rows whose sums one block keeps (48 x 64 fp32: 12 KB)
 
-void block_tiled(const float* x, int64_t m, int64_t k, const int32_t* block, int vectors, int64_t n, float* out,
-                 float* tile, float* sums) {
-  const int64_t width = int64_t(vectors) * L;
+void block_tiled(const float* x, int64_t m, int64_t k, const float* x_sum, const int32_t* block, int vectors, int64_t n,
+                 float* out, float* tile, float* sums) {
+  const int64_t width = int64_t(vectors) * L, groups = k / 32;
   for (int64_t r0 = 0; r0 < m; r0 += CHUNK) {
     const int64_t rows = std::min(CHUNK, m - r0);
     std::fill(sums, sums + rows * width, 0.0f);
-    for (int64_t g = 0; g < k / 32; g++) {
-      dequant_group(block + g * GROUP_WORDS * width, width, tile);
+    for (int64_t g = 0; g < groups; g++) {
+      const int32_t* group = block + g * GROUP_WORDS * width;
+      codes_group(group, width, tile);
       for (int64_t r = 0; r < rows; r += TR)
-        tile_rows_for(int(std::min<int64_t>(TR, rows - r)), vectors, tile, width, x + (r0 + r) * k + g * 32, k,
-                      sums + r * width, std::make_integer_sequence<int, TR>{});
+        tile_rows_for(int(std::min<int64_t>(TR, rows - r)), vectors, tile, group + 4 * width, width,
+                      x + (r0 + r) * k + g * 32, k, x_sum + (r0 + r) * groups + g, groups, sums + r * width,
+                      std::make_integer_sequence<int, TR>{});
     }
     for (int64_t r = 0; r < rows; r++)
       for (int64_t o = 0; o < width; o += L) store(out + (r0 + r) * n + o, round_bf16(load<vf>(sums + r * width + o)));
@@ -208,19 +226,25 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t 
   const int32_t* pp = packed.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const int64_t block = NV * L, blocks = (n + block - 1) / block, groups = k / 32;
+  // Each row's sum of each group's inputs, in order from 0 (`group_total`'s z term): (M, K/32).
+  std::vector<float> sums_x(m * groups, 0.0f);
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t g = 0; g < groups; g++)
+      for (int64_t i = 0; i < 32; i++) sums_x[r * groups + g] += xp[r * k + g * 32 + i];
+  const float* xs = sums_x.data();
   // A task: one block of outputs for every row; a thread takes at least ~64K weights' work.
   at::parallel_for(0, blocks, std::max<int64_t>(1, 65536 / (k * block)), [&](int64_t lo, int64_t hi) {
     if (m >= tiles_from) {
       std::vector<float> tile(32 * block), sums(CHUNK * block);
       for (int64_t b = lo; b < hi; b++)
-        block_tiled(xp, m, k, pp + block_start(b, groups), int(std::min<int64_t>(NV, (n - b * block) / L)), n,
+        block_tiled(xp, m, k, xs, pp + block_start(b, groups), int(std::min<int64_t>(NV, (n - b * block) / L)), n,
                     op + b * block, tile.data(), sums.data());
       return;
     }
     for (int64_t b = lo; b < hi; b++) {
       const int vectors = int(std::min<int64_t>(NV, (n - b * block) / L));
       for (int64_t r = 0; r < m; r += RB)
-        rows_for(int(std::min<int64_t>(RB, m - r)), vectors, xp + r * k, k, pp + block_start(b, groups), n,
+        rows_for(int(std::min<int64_t>(RB, m - r)), vectors, xp + r * k, k, xs + r * groups, pp + block_start(b, groups), n,
                  op + r * n + b * block, std::make_integer_sequence<int, RB>{});
     }
   });
