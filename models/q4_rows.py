@@ -3,20 +3,24 @@
 torch's int4 CPU kernel takes its rows in blocks of 4 and sums each block in an order of its own,
 so a tree's row and the same token verified alone can differ in the last bits: greedy texts then
 part at near-ties, and it dequantizes every weight again for each 4 rows, so its cost grows with
-the tree. This kernel holds the same weight values (torch's int4 codes, scales and zeros:
-fma(c - 8, d, z) in fp32), puts outputs in vector lanes and sums each over its inputs in order,
-so a row's output is the same bits alone or in a tree of any size, and it keeps each
-dequantized weight in registers for up to 6 rows with enough independent sums to keep an FMA unit
+the tree. This kernel holds the same weight values (torch's int4 codes, scales and zeros,
+w = (c - 8) d + z), computes each group of 32 inputs as d sum((c - 8) x) + z sum(x) without
+dequantizing a weight, puts outputs in vector lanes and sums each over its groups and inputs in
+order, so a row's output is the same bits alone or in a tree of any size, and it keeps each
+converted code in registers for up to 4-6 rows with enough independent sums to keep an FMA unit
 busy even at one row. It rounds inputs and outputs to bf16 as int4 does, but takes and gives
 fp32, so an eager call needs no casts around it.
 
-One linear, hot, 2-core AMD EPYC with AVX2 alone (ms at 1 / 2 / 4 / 8 / 16 rows): 576x1536
+One linear, hot, 2-core AMD EPYC with AVX2 alone, when it still dequantized each weight (ms at
+1 / 2 / 4 / 8 / 16 rows): 576x1536
 0.065 / 0.089 / 0.134 / 0.277 / 0.505 against int4's 0.088 / 0.117 / 0.172 / 0.374 / 0.628; the
 576x49152 LM head 2.02 / 2.88 / 4.48 / 9.12 / 16.5 against 2.56 / 3.52 / 5.03 / 9.80 / 21.0.
 From a row count the tuner measures (core/tune/kernels.py `choose_tiles_from`) it takes a tiled
-path with the same bits: each group's weights dequantized once into an L1 tile that every row's
-FMAs read (hot, 2-core Zen 3 EPYC, ms registers / tile: 576x1536 at 8 rows 0.147 / 0.125, 16
-0.288 / 0.205, 64 1.19 / 0.81; the LM head at 16 rows 10.2 / 7.3).
+path with the same bits: each group's codes converted once into an L1 tile that every row's
+FMAs read (hot, 2-core Zen 3 EPYC, both paths still dequantizing, ms registers / tile: 576x1536
+at 8 rows 0.147 / 0.125, 16 0.288 / 0.205, 64 1.19 / 0.81; the LM head at 16 rows 10.2 / 7.3).
+Not dequantizing then cut the register path's 576x1536 at 1 / 4 / 8 rows from 0.043 / 0.082 /
+0.174 to 0.033 / 0.064 / 0.118 ms and the LM head's one row from 1.20 to 0.85 (hot, same EPYC).
 Built per machine (models/native.py) for its widest vectors: AVX-512, AVX2 or SSE.
 """
 
@@ -68,6 +72,6 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
 def matmul(rows: torch.Tensor, packed: torch.Tensor, out_features: int, tiles_from: int = NEVER) -> torch.Tensor:
     """rows (M, K) fp32 or bf16, rounded to bf16 @ W^T -> (M, N) fp32 holding bf16 values (the
     int4 kernel's inputs and outputs, without its casts), W the int4 values `pack` packed. Calls
-    of `tiles_from` rows or more dequantize each group once into an L1 tile that all rows then
-    read; fewer keep weights in registers for up to 4-6 rows at a time. The same bits either way."""
+    of `tiles_from` rows or more convert each group's codes once into an L1 tile that all rows
+    then read; fewer keep them in registers for up to 4-6 rows at a time. The same bits either way."""
     return torch.ops.aerie_q4.mm(rows, packed, out_features, tiles_from)

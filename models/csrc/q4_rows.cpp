@@ -25,7 +25,7 @@ namespace {
 
 // Outputs per block: up to NV vectors (fewer at N's end), rows per register block: up to RB, taken
 // in passes of R rows x V vectors of sums, R V <= ACC: independent FMA chains, enough to hide an
-// FMA's latency even at one row (V = 4), with registers to spare for the weights and scales (16
+// FMA's latency even at one row (V = 4), with registers to spare for the codes (16
 // on AVX2, 32 on AVX-512; more sums spilled to the stack). None of this changes any output's
 // order of arithmetic.
 constexpr int NV = 4;
@@ -112,8 +112,7 @@ void rows_of(int vectors, const float* x, int64_t k, const float* x_sum, const i
 
 template <int... Rs>
 void rows_for(int rows, int vectors, const float* x, int64_t k, const float* x_sum, const int32_t* block, int64_t n,
-              float* out,
-              std::integer_sequence<int, Rs...>) {
+              float* out, std::integer_sequence<int, Rs...>) {
   ((rows == Rs + 1 ? rows_of<Rs + 1>(vectors, x, k, x_sum, block, n, out) : void()), ...);
 }
 
@@ -156,7 +155,7 @@ void tile_fma(const float* tile, const int32_t* pairs, int64_t width, const floa
 }
 
 constexpr int TR = L == 16 ? 6 : 4;   // rows per FMA pass
-constexpr int TV = L == 16 ? 4 : 2;   // vectors per FMA pass: TR TV sums + TV weights + a broadcast in registers
+constexpr int TV = L == 16 ? 4 : 2;   // vectors per FMA pass: TR TV sums + TV codes + a broadcast in registers
 
 template <int R>
 void tile_rows(int vectors, const float* tile, const int32_t* pairs, int64_t width, const float* x, int64_t k,
