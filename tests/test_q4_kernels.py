@@ -15,7 +15,7 @@ from core.config import TreeConfig
 from core.engine import Engine
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.eagle import EagleDrafter
-from core.tune.kernels import (TILE_ROWS, KernelChoice, apply_target_kernel, choose_target_kernel, first_winning,
+from core.tune.kernels import (TILE_ROWS, KernelChoice, TargetKernel, apply_target_kernel, choose_target_kernel, first_winning,
                                int4_layers, kernel_edges, load_kernel, pick_kernel, rows_alone)
 from models import q4_rows
 from models.cpu_quant import Int4Linear, quantize_cpu
@@ -121,7 +121,7 @@ def test_tree_logits_on_a_kernel_equal_one_token_at_a_time_bit_for_bit(kernel, k
     if tiles_from and kernel != "rows":
         pytest.skip("q4_rows' tiled path only")
     target = int4_target(seed=2)
-    apply_target_kernel(target, KernelChoice(kernel=kernel, tiles_from=tiles_from), kernel_dir)
+    apply_target_kernel(target, TargetKernel(kernel, tiles_from=tiles_from), kernel_dir)
     assert all(layer.kernel == kernel and layer.tiles_from == (tiles_from or q4_rows.NEVER) for layer in int4_layers(target))
     runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8)))
     ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -132,7 +132,7 @@ def test_tree_logits_on_a_kernel_equal_one_token_at_a_time_bit_for_bit(kernel, k
 
 def test_greedy_eagle_on_a_kernel_equals_plain_on_it(kernel, kernel_dir):
     target = int4_target()
-    apply_target_kernel(target, KernelChoice(kernel=kernel), kernel_dir)
+    apply_target_kernel(target, TargetKernel(kernel), kernel_dir)
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     plain, _ = greedy_run(Engine(target), prompt)
     for shape in (TreeConfig(1, 2, 4), TreeConfig(3, 4, 16)):
@@ -149,7 +149,7 @@ def test_trees_on_amx_over_plain_decoding_on_int4_give_plain_decodings_text(kern
     target = int4_target()
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(5)).tolist()
     plain, ties = greedy_run(Engine(target), prompt)
-    apply_target_kernel(target, KernelChoice(kernel="amx", kernel_from=2), kernel_dir)
+    apply_target_kernel(target, TargetKernel("amx", 2), kernel_dir)
     assert all(layer.kernel_from == 2 for layer in int4_layers(target))
     for shape in (TreeConfig(1, 2, 4), TreeConfig(3, 4, 16)):
         drafter = EagleDrafter(random_head(target.model, "eagle1", 3), 3, shape)
@@ -167,12 +167,12 @@ def test_choose_target_kernel_times_each_and_leaves_the_layers_on_its_choice(ker
     assert all(kernel in v and "int4" in v and min(v.values()) > 0 for v in ms.values())
     assert chosen in ms["1"]
     assert all(layer.kernel == chosen for layer in int4_layers(target))
-    if chosen == "rows":   # its two paths timed; the layers on the first size from which tiles won
-        assert set(choice.tiles_ms) == {str(n) for n in TILE_ROWS}
+    assert set(choice.tiles_ms) == {str(n) for n in TILE_ROWS}    # q4_rows' two paths timed before it competes
+    if chosen == "rows":   # the layers on the first size from which tiles won
         assert choice.tiles_from in (None, *TILE_ROWS)
         assert all(layer.tiles_from == (choice.tiles_from or q4_rows.NEVER) for layer in int4_layers(target))
     else:
-        assert choice.tiles_from is None and choice.tiles_ms == {}
+        assert choice.tiles_from is None
     assert all((layer.rows_codes is None) == (chosen != "rows") and (layer.amx_codes is None) == (chosen != "amx")
                for layer in int4_layers(target))
 
@@ -209,9 +209,9 @@ def test_a_kernel_serves_every_size_when_it_saves_overall_and_amx_mixes_only_on_
     assert pick_kernel({**epyc, 1: {"int4": 35.0, "rows": 37.5}}) == ("int4", 1)   # plain decoding must not slow
     both = {n: {**epyc[n], "amx": 0.95 * epyc[n]["rows"]} for n in epyc}
     assert pick_kernel(both) == ("amx", 1)
-    assert kernel_edges(KernelChoice(kernel="amx", kernel_from=8)) == (8,) and kernel_edges(KernelChoice(kernel="rows")) == ()
-    assert kernel_edges(KernelChoice(16, 64, kernel="amx", kernel_from=4)) == (4, 16)
-    assert kernel_edges(KernelChoice(kernel="rows", tiles_from=8)) == ()    # an opaque op's own switch: the same bits
+    assert kernel_edges(KernelChoice(target=TargetKernel("amx", 8))) == (8,) and kernel_edges(KernelChoice(target=TargetKernel("rows"))) == ()
+    assert kernel_edges(KernelChoice(16, 64, target=TargetKernel("amx", 4))) == (4, 16)
+    assert kernel_edges(KernelChoice(target=TargetKernel("rows", tiles_from=8))) == ()    # an opaque op's own switch: the same bits
 
 
 def test_q4_rows_tiles_serve_from_the_first_size_they_win_at_every_larger_one():
@@ -223,11 +223,11 @@ def test_q4_rows_tiles_serve_from_the_first_size_they_win_at_every_larger_one():
     assert first_winning({**epyc, 4: {"rows": 17.0, "tiles": 17.0}}, "tiles", "rows", win=1.0) == 4
     assert first_winning({**epyc, 32: {"rows": 80.0, "tiles": 81.0}}, "tiles", "rows", win=1.0) == 64
     assert first_winning({n: {"rows": 1.0, "tiles": 2.0} for n in epyc}, "tiles", "rows", win=1.0) is None
-    assert "tiled from 8 rows" in KernelChoice(kernel="rows", tiles_from=8).describe()
+    assert "tiled from 8 rows" in KernelChoice(target=TargetKernel("rows", tiles_from=8)).describe()
 
 
 def test_row_attention_is_taken_only_beside_a_kernel_that_computes_each_row_alone():
-    assert rows_alone(KernelChoice(kernel="rows")) and rows_alone(KernelChoice(kernel="amx"))
+    assert rows_alone(KernelChoice(target=TargetKernel("rows"))) and rows_alone(KernelChoice(target=TargetKernel("amx")))
     assert not rows_alone(KernelChoice())                                    # torch's int4 kernel
-    assert not rows_alone(KernelChoice(kernel="amx", kernel_from=4))         # a mix: one token on int4
-    assert not rows_alone(KernelChoice(16, 64, kernel="rows"))               # trees of 16 on the fp32 twin
+    assert not rows_alone(KernelChoice(target=TargetKernel("amx", 4)))         # a mix: one token on int4
+    assert not rows_alone(KernelChoice(16, 64, target=TargetKernel("rows")))               # trees of 16 on the fp32 twin

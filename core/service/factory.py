@@ -209,7 +209,7 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
     runner = engine.runner
     key = {"graphs_version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
            "quant": engine.target.quant, "dtype": str(engine.target.dtype),
-           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "kernel": kernels.kernel} if kernels else None,
+           "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "kernel": kernels.target.kernel} if kernels else None,
            "head": head_identity(spec.head) if runner.feature_layers else None,
            "attention": attention.source_digest(cpu_flags()) if runner.row_attention else "sdpa",
            "kv": str(runner.cache.layers[0].keys.dtype), "buckets": list(runner.buckets), "capacity": runner.capacity,
@@ -255,16 +255,15 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
         if strategy == "eagle":
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)),
                                                   head_weights_here(spec.cache_dir))
-        return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms,
-                            kernel.kernel, kernel.from_rows, kernel.ms, kernel.tiles_from, kernel.tiles_ms)
+        return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms, kernel)
 
     choice, cached = cached_choice(spec.cache_dir, key, measure)
     if cached:
         try:
-            apply_target_kernel(target, choice, spec.cache_dir)
+            apply_target_kernel(target, choice.target, spec.cache_dir)
         except NativeUnavailable as e:   # chosen here once, gone now (a compiler removed): say so, run int4
-            report(f"Aerie: the {choice.kernel} kernel chosen for this machine cannot load ({e}); the target runs on int4.")
-            choice = replace(choice, kernel="int4", kernel_from=1, tiles_from=None)
+            report(f"Aerie: the {choice.target.kernel} kernel chosen for this machine cannot load ({e}); the target runs on int4.")
+            choice = replace(choice, target=TargetKernel())
     apply_wide(target, choice, prefills)
     return choice
 

@@ -48,13 +48,23 @@ PAYING_TOKENS = 3.0
 HEAD_WEIGHTS = ("int8", "int4", "bf16", "q4_rows")
 WIN = 0.9                      # a kernel must save 10% to be chosen: timing noise must not flip it
 REPEATS = 3
-VERSION = 8
+VERSION = 9
 TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on each 4-bit kernel
 TILE_ROWS = (2, 4, 8, 16, 32, 64)   # sizes where q4_rows' tiled path may beat its register one
 KERNEL_NAMES = {"int4": "int4", "amx": "AMX 4-bit", "rows": "q4_rows"}
 PREFILL_ROWS = 512             # one prefill chunk (core/runtime/runner.py PREFILL_CHUNK)
 PREFILL_FROM = max(WIDE_ROWS) + 1   # a prefill's twin serves calls past every verify bucket
 TWIN_BYTES = {"fp32": 4, "bf16x3": 6}   # per weight
+
+
+@dataclass(frozen=True)
+class TargetKernel:
+    """The 4-bit kernel the target's int4 layers run on: all hold the same weight values."""
+    kernel: str = "int4"            # one of KERNELS, serving calls of `from_rows` rows or more (fewer: int4)
+    from_rows: int = 1
+    ms: dict = field(default_factory=dict)          # rows -> {kernel: ms}, the linears alone (TARGET_ROWS)
+    tiles_from: int | None = None   # q4_rows: rows from which its tiled path runs (`choose_tiles_from`)
+    tiles_ms: dict = field(default_factory=dict)    # rows -> {"rows": ms, "tiles": ms} (TILE_ROWS)
 
 
 @dataclass(frozen=True)
@@ -66,18 +76,18 @@ class KernelChoice:
     verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies (1: int4)
     head_ms: dict = field(default_factory=dict)      # head weights -> ms of a head step at 4 rows
     prefill_ms: dict = field(default_factory=dict)   # kernel -> ms of a 512-token eager prefill
-    # The 4-bit kernel the target's int4 layers run on from `kernel_from` rows (below: torch's int4):
-    # one of KERNELS, the same weight values. verify_ms' and prefill_ms' "int4" were timed on it.
-    kernel: str = "int4"
-    kernel_from: int = 1
-    target_ms: dict = field(default_factory=dict)    # rows -> {kernel: ms}, eager verifies
-    tiles_from: int | None = None                    # q4_rows: rows from which its tiled path runs (the same bits)
-    tiles_ms: dict = field(default_factory=dict)     # rows -> {"rows": ms, "tiles": ms}, the linears alone
+    # verify_ms' and prefill_ms' "int4" were timed on this kernel
+    target: TargetKernel = field(default_factory=TargetKernel)
+
+    @staticmethod
+    def from_dict(d: dict) -> "KernelChoice":
+        return KernelChoice(**{**d, "target": TargetKernel(**d["target"])})
 
     def describe(self) -> str:
-        name = KERNEL_NAMES[self.kernel]
-        kernel = name if self.kernel_from == 1 else f"int4, {name} from {self.kernel_from} rows"
-        kernel += f" (tiled from {self.tiles_from} rows)" if self.tiles_from else ""
+        t = self.target
+        name = KERNEL_NAMES[t.kernel]
+        kernel = name if t.from_rows == 1 else f"int4, {name} from {t.from_rows} rows"
+        kernel += f" (tiled from {t.tiles_from} rows)" if t.tiles_from else ""
         wide = f"{kernel}, fp32 twin from {self.wide_from} rows" if self.wide_from else f"{kernel} at every size"
         prefill = "" if self.prefill == "int4" or self.wide_from else f", prefill on the {self.prefill} twin"
         return f"target {wide}, trees up to {self.largest}{prefill}; head {self.head}"
@@ -118,7 +128,7 @@ def cached_choice(cache_dir: Path, key: dict, measure) -> tuple[KernelChoice, bo
     path = cache_dir / "kernels" / f"{digest}.json"
     if path.is_file():
         try:
-            return KernelChoice(**json.loads(path.read_text())["choice"]), True
+            return KernelChoice.from_dict(json.loads(path.read_text())["choice"]), True
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             print(f"Aerie: re-measuring kernels: {path} is unreadable ({e}).", flush=True)
     choice = measure()
@@ -193,22 +203,14 @@ def load_kernel(kernel: str, cache_dir: Path) -> None:
         q4_rows.load(cache_dir, cpu_flags())
 
 
-@dataclass(frozen=True)
-class TargetKernel:
-    kernel: str = "int4"            # one of KERNELS, serving calls of `from_rows` rows or more (fewer: int4)
-    from_rows: int = 1
-    ms: dict = field(default_factory=dict)          # rows -> {kernel: ms}, the linears alone (TARGET_ROWS)
-    tiles_from: int | None = None   # q4_rows: rows from which its tiled path runs (`choose_tiles_from`)
-    tiles_ms: dict = field(default_factory=dict)    # rows -> {"rows": ms, "tiles": ms} (TILE_ROWS)
-
-
 @torch.inference_mode()
 def choose_target_kernel(target: Target, cache_dir: Path, report=print, mix: bool = False) -> TargetKernel:
     """Which 4-bit kernel the target's int4 layers run on: torch's, AMX (models/amx.py) or
     q4_rows (models/q4_rows.py), each built where it can be, by timing the target's linears at
     TARGET_ROWS rows on each (`time_linears`, `pick_kernel`; `mix`: whether AMX may serve trees
-    beside int4's one token), then for q4_rows where its tiled path pays. Leaves the layers on
-    the choice. Says why a kernel cannot run."""
+    beside int4's one token), q4_rows on its tiled path from where that pays (timed first, kept
+    in `tiles_ms` whichever kernel wins). Leaves the layers on the choice. Says why a kernel
+    cannot run."""
     layers = int4_layers(target)
     kernels = ["int4"]
     for kernel in ("rows", "amx"):
@@ -221,13 +223,15 @@ def choose_target_kernel(target: Target, cache_dir: Path, report=print, mix: boo
             report(f"Aerie: no {KERNEL_NAMES[kernel]} kernel for the target here ({e}).")
     if len(kernels) == 1:
         return TargetKernel()
+    # q4_rows competes on its best path: from 8 rows its tile may save a third (2-core Zen 3)
+    tiles_from, tiles_ms = choose_tiles_from(layers) if "rows" in kernels else (None, {})
 
     def setup(kernel: str) -> None:
         for layer in layers:
-            layer.use_kernel(kernel, free=False)
+            layer.use_kernel(kernel, free=False, tiles_from=(tiles_from or q4_rows.NEVER) if kernel == "rows" else q4_rows.NEVER)
     best = time_linears(layers, {n: tuple(kernels) for n in TARGET_ROWS}, setup)
     kernel, from_rows = pick_kernel(best, mix)
-    tiles_from, tiles_ms = choose_tiles_from(layers) if kernel == "rows" else (None, {})
+    tiles_from = tiles_from if kernel == "rows" else None
     for layer in layers:
         layer.use_kernel(kernel, from_rows, tiles_from=tiles_from or q4_rows.NEVER)
     return TargetKernel(kernel, from_rows, rounded(best), tiles_from, tiles_ms)
@@ -308,16 +312,16 @@ def rows_alone(choice: KernelChoice) -> bool:
     kernel compiled trees with fp32 attention parted from plain decoding on 4 of 16 prompts, but
     that was before the row kernel's sum stopped depending on where a node's column sits (the
     likelier cause); unchecked since, so fp64 SDPA stays there."""
-    return choice.kernel in ("rows", "amx") and choice.kernel_from == 1 and choice.wide_from is None
+    return choice.target.kernel in ("rows", "amx") and choice.target.from_rows == 1 and choice.wide_from is None
 
 
-def apply_target_kernel(target: Target, choice: KernelChoice, cache_dir: Path) -> None:
+def apply_target_kernel(target: Target, choice: TargetKernel, cache_dir: Path) -> None:
     """Put the target's int4 layers on the kernel `choice` names (raises NativeUnavailable where it
     was chosen on this machine once and cannot be loaded now)."""
     if choice.kernel != "int4":
         load_kernel(choice.kernel, cache_dir)
         for layer in int4_layers(target):
-            layer.use_kernel(choice.kernel, choice.kernel_from, tiles_from=choice.tiles_from or q4_rows.NEVER)
+            layer.use_kernel(choice.kernel, choice.from_rows, tiles_from=choice.tiles_from or q4_rows.NEVER)
 
 
 def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
@@ -389,7 +393,8 @@ def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
     graph may span one (core/runtime/graphs.py `row_groups`)."""
     twin = twin_of(choice)
     edges = {twin.from_rows} if twin is not None else set()
-    return tuple(sorted(edges | ({choice.kernel_from} if choice.kernel_from != 1 else set())))
+    from_rows = choice.target.from_rows
+    return tuple(sorted(edges | ({from_rows} if from_rows != 1 else set())))
 
 
 def apply_wide(target: Target, choice: KernelChoice, prefills: bool = True) -> None:

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -95,19 +96,27 @@ void block_of(const float* x, int64_t k, const float* x_sum, const int32_t* bloc
     for (int v = 0; v < V; v++) store(out + r * n + v * L, round_bf16(load<vf>(out + r * n + v * L)));
 }
 
+// Calls pass(V, v0) for each pass over up to P of a block's `vectors` vectors, V as a compile-time
+// int (std::integral_constant), so each pass's sums sit in registers.
+template <int P, typename F>
+void by_vectors(int vectors, F&& pass) {
+  for (int v0 = 0; v0 < vectors; v0 += P) {
+    switch (std::min(P, vectors - v0)) {
+      case 1: pass(std::integral_constant<int, 1>{}, v0); break;
+      case 2: pass(std::integral_constant<int, 2>{}, v0); break;
+      case 3: pass(std::integral_constant<int, 3>{}, v0); break;
+      default: pass(std::integral_constant<int, P>{}, v0); break;
+    }
+  }
+}
+
 template <int R>
 void rows_of(int vectors, const float* x, int64_t k, const float* x_sum, const int32_t* block, int64_t n, float* out) {
   constexpr int per_pass = ACC / R >= 4 ? 4 : ACC / R >= 2 ? 2 : 1;
   const int64_t width = int64_t(vectors) * L;
-  for (int v0 = 0; v0 < vectors; v0 += per_pass) {
-    float* at = out + v0 * L;
-    switch (std::min(per_pass, vectors - v0)) {
-      case 1: block_of<R, 1>(x, k, x_sum, block, width, v0, n, at); break;
-      case 2: block_of<R, 2>(x, k, x_sum, block, width, v0, n, at); break;
-      case 3: block_of<R, 3>(x, k, x_sum, block, width, v0, n, at); break;
-      default: block_of<R, per_pass>(x, k, x_sum, block, width, v0, n, at); break;
-    }
-  }
+  by_vectors<per_pass>(vectors, [&](auto V, int v0) {
+    block_of<R, decltype(V)::value>(x, k, x_sum, block, width, v0, n, out + v0 * L);
+  });
 }
 
 template <int... Rs>
@@ -160,14 +169,9 @@ constexpr int TV = L == 16 ? 4 : 2;   // vectors per FMA pass: TR TV sums + TV c
 template <int R>
 void tile_rows(int vectors, const float* tile, const int32_t* pairs, int64_t width, const float* x, int64_t k,
                const float* x_sum, int64_t groups, float* sums) {
-  for (int v0 = 0; v0 < vectors; v0 += TV) {
-    switch (std::min(TV, vectors - v0)) {
-      case 1: tile_fma<R, 1>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L); break;
-      case 2: tile_fma<R, 2>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L); break;
-      case 3: tile_fma<R, 3>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L); break;
-      default: tile_fma<R, TV>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L); break;
-    }
-  }
+  by_vectors<TV>(vectors, [&](auto V, int v0) {
+    tile_fma<R, decltype(V)::value>(tile + v0 * L, pairs + v0 * L, width, x, k, x_sum, groups, sums + v0 * L);
+  });
 }
 
 template <int... Rs>
@@ -197,6 +201,33 @@ void block_tiled(const float* x, int64_t m, int64_t k, const float* x_sum, const
   }
 }
 
+// A call's inputs rounded to bf16 values, as torch's int4 kernel takes them, in a buffer of the
+// call's own (through torch's dispatcher a cast cost ~10 us a call, 2 ms a verify), and each row's
+// sum of each group's inputs in order from 0 (`group_total`'s z term): (M, K) and (M, K/32).
+struct Inputs {
+  std::vector<float> rounded, sums;
+};
+
+Inputs inputs_of(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / 32;
+  Inputs in{std::vector<float>(m * k), std::vector<float>(m * groups, 0.0f)};
+  float* xr = in.rounded.data();
+  if (x.scalar_type() == at::kFloat) {
+    const float* src = x.data_ptr<float>();
+    for (int64_t i = 0; i < m * k; i += L) store(xr + i, round_bf16(load<vf>(src + i)));   // k is a multiple of L
+  } else {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < m * k; i++) {
+      const uint32_t bits = uint32_t(src[i]) << 16;
+      std::memcpy(xr + i, &bits, 4);
+    }
+  }
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t g = 0; g < groups; g++)
+      for (int64_t i = 0; i < 32; i++) in.sums[r * groups + g] += xr[r * k + g * 32 + i];
+  return in;
+}
+
 // x (M, K) @ W^T -> (M, N) fp32: rows kept in registers below `tiles_from` rows, through an L1 tile
 // from there (the same bits either way; where the tile pays is measured per machine, core/tune).
 at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t tiles_from) {
@@ -205,32 +236,12 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t 
   TORCH_CHECK(k % 32 == 0 && n % L == 0, "K must be a multiple of 32 and N of ", L);
   TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.numel() == k / 32 * GROUP_WORDS * n,
               "a weight from pack() for this K and N");
-  // The inputs rounded to bf16, as torch's int4 kernel takes them (k is a multiple of L), in a
-  // buffer of this call's own: through torch's dispatcher a cast cost ~10 us a call, 2 ms a verify.
-  const at::Tensor xc = x.contiguous();
-  std::vector<float> rounded(m * k);
-  float* xr = rounded.data();
-  if (xc.scalar_type() == at::kFloat) {
-    const float* src = xc.data_ptr<float>();
-    for (int64_t i = 0; i < m * k; i += L) store(xr + i, round_bf16(load<vf>(src + i)));
-  } else {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < m * k; i++) {
-      const uint32_t bits = uint32_t(src[i]) << 16;
-      std::memcpy(xr + i, &bits, 4);
-    }
-  }
+  const Inputs in = inputs_of(x.contiguous());
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const float* xp = xr;
+  const float *xp = in.rounded.data(), *xs = in.sums.data();
   const int32_t* pp = packed.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const int64_t block = NV * L, blocks = (n + block - 1) / block, groups = k / 32;
-  // Each row's sum of each group's inputs, in order from 0 (`group_total`'s z term): (M, K/32).
-  std::vector<float> sums_x(m * groups, 0.0f);
-  for (int64_t r = 0; r < m; r++)
-    for (int64_t g = 0; g < groups; g++)
-      for (int64_t i = 0; i < 32; i++) sums_x[r * groups + g] += xp[r * k + g * 32 + i];
-  const float* xs = sums_x.data();
   // A task: one block of outputs for every row; a thread takes at least ~64K weights' work.
   at::parallel_for(0, blocks, std::max<int64_t>(1, 65536 / (k * block)), [&](int64_t lo, int64_t hi) {
     if (m >= tiles_from) {
