@@ -171,13 +171,22 @@ def no_guards(entries) -> list[bool]:
 # A config patch around the compile, not torch.compile's options: with those, saving the dynamic-T
 # graph failed to pickle dynamo's guard manager.
 NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False}
+# Inductor's own kernels single-threaded: a graph's norms, rotary embeddings, residuals and cache
+# writes touch at most 64 rows of 576-1536 values, and on a symbolic T inductor opened an OpenMP
+# team for each of them anyway (12 of the 14 kernels of the 2-16-token verify), ~250 fork-joins a
+# verify that wait on the slower core of a shared host. The 4-bit linears and attention keep both
+# cores (their own at::parallel_for). Same arithmetic per row (the teams split rows, not sums).
+# Median verify on the embedded model, 2-core Zen 4, 40 rounds each, alternating graph folders in
+# one session, ms at 1 / 2 / 3 / 4 / 8 tokens: 7.24 / 8.77 / 11.39 / 11.45 / 19.10 with the
+# teams, 6.33 / 6.76 / 7.91 / 8.11 / 14.04 without.
+ONE_THREAD = {"cpp.threads": 1}
 
 
 def precompile(job: GraphJob, folder: Path) -> Path:
     """Trace and compile job.fn(*job.args) whole, without running it, into folder/job.name; -> the file."""
     mark_rows(job.args, job.rows)
     compiled = torch.compile(job.fn, fullgraph=True, dynamic=False, options={"guard_filter_fn": no_guards})
-    with torch.inference_mode(), torch._inductor.config.patch(NO_ASSERTS):  # as verifies and drafts run
+    with torch.inference_mode(), torch._inductor.config.patch({**NO_ASSERTS, **ONE_THREAD}):  # as verifies and drafts run
         fn = compiled.aot_compile((job.args, {}))
     folder.mkdir(parents=True, exist_ok=True)
     fn.save_compiled_function(str(folder / job.name))  # written whole or not at all

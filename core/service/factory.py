@@ -39,7 +39,7 @@ from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
 STRATEGIES = ("auto", "eagle", "prompt_lookup", "plain")
-GRAPHS_VERSION = 3
+GRAPHS_VERSION = 4   # 4: inductor kernels single-threaded (core/runtime/graphs.py ONE_THREAD)
 
 
 @dataclass(frozen=True)

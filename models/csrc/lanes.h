@@ -18,4 +18,5 @@ typedef uint32_t vu __attribute__((vector_size(4 * L)));
 
 template <typename V = vf, typename T>
 inline V load(const T* p) { V v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+template <typename T, typename V>
+inline void store(T* p, V v) { std::memcpy(p, &v, sizeof v); }
