@@ -375,3 +375,18 @@ def test_cpu_load_is_measured_per_probe_and_never_reads_zero_from_a_sliver(monke
     load.last_at -= 1.0                      # pretend a second passed
     assert load.percent() == pytest.approx(75.0)
     assert load.percent() == pytest.approx(75.0)   # a reading right after repeats the value, not ~0%
+
+def test_a_slow_turn_on_a_shape_its_rounds_unteach_replans_the_rung_before_leaving_it():
+    """The held-out prior planned a deep tree; the turn's rounds showed the head far weaker: the
+    rung tries the shape those rounds point to before it steps down, once."""
+    t = live_tuner()
+    first = t.prepare(ENGINE, 100)
+    assert first.rung == "tree" and first.tree.depth >= 1
+    for _ in range(200):                          # what the turn taught: depth 0 at 0.5, deeper never
+        t.observe_round("eagle", [(first.tree.top_k, 0), (first.tree.top_k, -1)])
+    plain_ms = t.profile.plain_ms(100)
+    t.end_turn(Turn("eagle", 64, 64 * plain_ms / 1000 / 0.9, plain_ms))
+    plan = t.plan(100)
+    assert plan.rung == "tree" and plan.tree != first.tree and "re-planned" in plan.reason
+    assert turn(t, 0.9) == "tree"                 # the new shape is slow too: now the rung is left
+    assert t.plan(100).rung == "chain"

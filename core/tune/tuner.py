@@ -16,7 +16,8 @@ The ladder: tree -> chain -> prompt lookup -> plain. A rung is left when its mea
 (tokens per second of engine time in the rounds after the prefill, times plain decoding's time
 per token: see `Meter`) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, at once when
 a turn measures it slower than plain (below `SLOWER_THAN_PLAIN`), or when the model predicts the
-EAGLE rung cannot beat plain decoding. The user's pins (strategy, depth, top_k, total_tokens, a
+EAGLE rung cannot beat plain decoding; but a slow turn whose shape the acceptance it taught
+no longer picks first re-plans the rung (`_replan`, once per visit). The user's pins (strategy, depth, top_k, total_tokens, a
 static tree) are never overridden.
 
 Stepping down is not for ever: a busy minute slows every rung, and the load correction cannot
@@ -230,6 +231,9 @@ class Tuner:
         self.low_turns, self.demoted = 0, ""   # turns in a row below DEMOTE_BELOW; why the last rung was left
         self.since_probe = 0                   # measured turns on this rung since it was reached or last probed
         self.trial: int | None = None          # the rung above that the planned turn probes
+        self.planned: Plan | None = None       # the last turn's plan, and its context
+        self.planned_context = 0.0
+        self.replanned = False                 # this rung's one new shape after a slow turn is spent
         self.turns: list[Turn] = []
         self.draft_clock = DraftClock()
 
@@ -238,6 +242,7 @@ class Tuner:
         plan = self.plan(context)
         index = self.rungs.index(plan.rung)
         self.trial = index if index < self.rung else None
+        self.planned, self.planned_context = plan, context
         engine.set_drafter(self.drafters[plan.strategy])
         if plan.tree is not None:
             self.drafters["eagle"].reshape(plan.tree)
@@ -301,13 +306,33 @@ class Tuner:
             self.since_probe = 0
             if measured >= DEMOTE_BELOW:
                 self.demoted = f"{LABELS[self.rungs[trial]]} probed at {measured:.2f}x plain: back up"
-                self.rung, self.low_turns = trial, 0
+                self.rung, self.low_turns, self.replanned = trial, 0, False
             return  # a lost probe says nothing about the rung the ladder stays on
         self.since_probe += 1
         if self.rungs[self.rung] == "plain":
             return
         self.low_turns = self.low_turns + 1 if measured < DEMOTE_BELOW else 0
         if (self.low_turns >= DEMOTE_TURNS or measured < SLOWER_THAN_PLAIN) and self.rung < len(self.rungs) - 1:
+            if self._replan(measured):
+                return
             self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {measured:.2f}x plain "
                             f"for {self.low_turns} turn{'s' if self.low_turns > 1 else ''} (< {DEMOTE_BELOW})")
-            self.rung, self.low_turns, self.since_probe = self.rung + 1, 0, 0
+            self.rung, self.low_turns, self.since_probe, self.replanned = self.rung + 1, 0, 0, False
+
+    def _replan(self, measured: float) -> bool:
+        """Whether a slow turn on an EAGLE rung ran a shape that the acceptance it taught no longer
+        picks (a first turn planned from the head's held-out prior, 2.6 tokens a round predicted
+        where MT-bench gave 1.8): then the rung runs its new best shape before it can be left,
+        once per visit. Otherwise one mis-planned turn sent a 1.15x EAGLE to plain decoding."""
+        plan, rung = self.planned, self.rungs[self.rung]
+        if self.replanned or plan is None or plan.rung != rung or rung not in ("tree", "chain") or self.pins.static is not None:
+            return False
+        shape = best_shape(self.acceptance.q(), self.profile, self.planned_context, self.max_size, self.pins,
+                           rung == "chain", self.draft_clock.scale)
+        if shape.tree == plan.tree:
+            return False
+        old, new = plan.tree, shape.tree
+        self.replanned, self.low_turns = True, 0
+        self.demoted = (f"d{old.depth}k{old.top_k}n{old.total_tokens} measured {measured:.2f}x plain: "
+                        f"re-planned to d{new.depth}k{new.top_k}n{new.total_tokens} on what it taught")
+        return True
