@@ -10,6 +10,7 @@ import torch
 from core.tune.budget import GIB, MemoryBudgetError, ModelShape, largest_tree, plan_placement, tree_bytes, weight_bytes
 from core.config import TreeConfig
 from core.tune.probe import Probe
+from core.tune.remembered import REMEMBERED, acceptance_path, keep, recall
 from core.tune.latency import LatencyProfile, interpolate, monotone
 from core.spec.tree import make_tree
 from core.tune.tuner import (MIN_DRAFTS, PositionalAcceptance, PROBE_EVERY, Meter, Pins, Tuner, Turn, best_shape, node_values,
@@ -390,3 +391,21 @@ def test_a_slow_turn_on_a_shape_its_rounds_unteach_replans_the_rung_before_leavi
     assert plan.rung == "tree" and plan.tree != first.tree and "re-planned" in plan.reason
     assert turn(t, 0.9) == "tree"                 # the new shape is slow too: now the rung is left
     assert t.plan(100).rung == "chain"
+
+
+def test_what_the_chats_taught_starts_the_next_session_scaled_down(tmp_path):
+    path = acceptance_path(tmp_path, {"model": "m", "quant": "int4", "head": "h"})
+    first = tuner()
+    first.keep = lambda learned: keep(path, learned)
+    for _ in range(500):                           # depth 0 at 0.5, deeper never
+        first.observe_round("eagle", [(4, 0 if _ % 2 else -1), (4, -1)])
+    assert not path.exists()
+    plain_ms = first.profile.plain_ms(100)
+    first.end_turn(Turn("eagle", 64, 64 * plain_ms / 1000, plain_ms))
+    again = recall(path, prior_table((0.7, 0.6)))
+    assert again.trials[0, 0].item() == REMEMBERED and again.trials[1, 0].item() == REMEMBERED   # scaled to REMEMBERED
+    assert abs(again.q()[0, 0].item() - 0.5) < 0.1 and again.q()[1, 0].item() < 0.2
+    fresh = Tuner(CPU, again, Pins(), first.drafters, max_size=96)
+    assert fresh.plan(100).tree.depth < tuner().plan(100).tree.depth     # a shallower first plan than the prior's
+    path.write_text("{not json")
+    assert torch.equal(recall(path, prior_table((0.7,))).trials, torch.zeros_like(prior_table((0.7,))))  # said, ignored

@@ -28,6 +28,7 @@ from core.tune.kernels import (WIDE_ROWS, KernelChoice, TargetKernel, TreeKernel
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
                                profile_mismatch)
+from core.tune.remembered import acceptance_path, keep, recall
 from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
 from models import attention, q4_rows
 from models.amx import source_digest as amx_source_digest
@@ -199,7 +200,13 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
     max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)
-    tuner = Tuner(profile, PositionalAcceptance(prior_table(alphas)), pins, drafters, max_size=max_size)
+    prior, keep_at = prior_table(alphas), None
+    if "eagle" in drafters:
+        keep_at = acceptance_path(spec.cache_dir, {"model": str(target.model.config.name_or_path), "quant": target.quant,
+                                                    "head": head_identity(spec.head)})
+    acceptance = recall(keep_at, prior) if keep_at else PositionalAcceptance(prior)
+    tuner = Tuner(profile, acceptance, pins, drafters, max_size=max_size,
+                  keep=(lambda learned: keep(keep_at, learned)) if keep_at else None)
     return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, kernels)
 
 

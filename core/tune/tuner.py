@@ -28,7 +28,7 @@ PROBE_EVERY + 1; one that wins recovers the speedup for the rest of the chat.
 """
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -217,9 +217,12 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
 class Tuner:
     """Plans each turn; learns from its rounds. Built by core/service/factory.py, one per loaded model."""
 
-    def __init__(self, profile: LatencyProfile, acceptance: PositionalAcceptance, pins: Pins, drafters: dict, max_size: int):
-        """drafters: name -> drafter, "plain" and "prompt_lookup" always, "eagle" with a head."""
+    def __init__(self, profile: LatencyProfile, acceptance: PositionalAcceptance, pins: Pins, drafters: dict, max_size: int,
+                 keep: Callable[[PositionalAcceptance], None] | None = None):
+        """drafters: name -> drafter, "plain" and "prompt_lookup" always, "eagle" with a head; `keep`
+        stores the acceptance after each EAGLE turn (core/tune/remembered.py)."""
         self.profile, self.acceptance, self.pins, self.max_size = profile, acceptance, pins, max_size
+        self.keep = keep
         self.drafters = drafters
         rungs = ["tree", "chain", "prompt_lookup", "plain"] if "eagle" in drafters else ["prompt_lookup", "plain"]
         if pins.strategy is not None:
@@ -299,6 +302,8 @@ class Tuner:
         """Record a finished turn; step down the ladder after slow turns, back up after a won probe."""
         self.turns.append(turn)
         self.draft_clock.add(turn)
+        if self.keep is not None and turn.strategy == "eagle":
+            self.keep(self.acceptance)
         measured, trial, self.trial = turn.speedup, self.trial, None
         if measured is None or turn.tokens < MIN_TURN_TOKENS:
             return  # too short to judge: a due probe stays due
