@@ -377,6 +377,7 @@ def test_cpu_load_is_measured_per_probe_and_never_reads_zero_from_a_sliver(monke
     assert load.percent() == pytest.approx(75.0)
     assert load.percent() == pytest.approx(75.0)   # a reading right after repeats the value, not ~0%
 
+
 def test_a_slow_turn_on_a_shape_its_rounds_unteach_replans_the_rung_before_leaving_it():
     """The held-out prior planned a deep tree; the turn's rounds showed the head far weaker: the
     rung tries the shape those rounds point to before it steps down, once."""

@@ -1,6 +1,7 @@
 """Building an engine from what the user asked for: target, quantization, device, drafter.
 launch.py calls this at start, for the bench, and whenever the UI switches models."""
 
+import functools
 import hashlib
 import json
 import time
@@ -200,13 +201,12 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
     pins = spec.pins if spec.strategy == "auto" else replace(spec.pins, strategy=spec.strategy)
     max_size = tree_budget(target, pins, sizes, int(spec.vram_reserve_gb * GIB), probe)
-    prior, keep_at = prior_table(alphas), None
-    if "eagle" in drafters:
-        keep_at = acceptance_path(spec.cache_dir, {"model": str(target.model.config.name_or_path), "quant": target.quant,
-                                                    "head": head_identity(spec.head)})
-    acceptance = recall(keep_at, prior) if keep_at else PositionalAcceptance(prior)
-    tuner = Tuner(profile, acceptance, pins, drafters, max_size=max_size,
-                  keep=(lambda learned: keep(keep_at, learned)) if keep_at else None)
+    acceptance, keeper = PositionalAcceptance(prior_table(alphas)), None
+    if "eagle" in drafters:   # what earlier sessions' chats taught this head, and where this one's goes
+        path = acceptance_path(spec.cache_dir, {"model": str(target.model.config.name_or_path), "quant": target.quant,
+                                                "head": head_identity(spec.head)})
+        acceptance, keeper = recall(path, acceptance.prior), functools.partial(keep, path)
+    tuner = Tuner(profile, acceptance, pins, drafters, max_size=max_size, keep=keeper)
     return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, kernels)
 
 

@@ -231,7 +231,7 @@ class Tuner:
             rungs = ["chain", *rungs[1:]]   # a pinned width of 1 is a chain: the tree rung would repeat it
         rungs = list(dict.fromkeys(rungs))
         self.rungs, self.rung = rungs, 0
-        self.low_turns, self.demoted = 0, ""   # turns in a row below DEMOTE_BELOW; why the last rung was left
+        self.low_turns, self.demoted = 0, ""   # turns in a row below DEMOTE_BELOW; the ladder's last move and why
         self.since_probe = 0                   # measured turns on this rung since it was reached or last probed
         self.trial: int | None = None          # the rung above that the planned turn probes
         self.planned: Plan | None = None       # the last turn's plan, and its context

@@ -253,8 +253,10 @@ struct Inputs {
 
 Inputs inputs_of(const at::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / 32;
-  std::vector<float> rounded(m * k);
-  float* xr = rounded.data();
+  Inputs in{std::vector<xu>(m * k / PER), std::vector<float>(m * groups, 0.0f)};
+  // One input per unit: the units are the rounded fp32 themselves; two: the fp32 first, packed below.
+  std::vector<float> staged(PER == 1 ? 0 : m * k);
+  float* xr = PER == 1 ? reinterpret_cast<float*>(in.units.data()) : staged.data();
   if (x.scalar_type() == at::kFloat) {
     const float* src = x.data_ptr<float>();
     for (int64_t i = 0; i < m * k; i += L) store(xr + i, round_bf16(load<vf>(src + i)));   // k is a multiple of L
@@ -265,14 +267,14 @@ Inputs inputs_of(const at::Tensor& x) {
       std::memcpy(xr + i, &bits, 4);
     }
   }
-  Inputs in{std::vector<xu>(m * k / PER), std::vector<float>(m * groups, 0.0f)};
   for (int64_t r = 0; r < m; r++)
     for (int64_t g = 0; g < groups; g++)
       for (int64_t i = 0; i < 32; i++) in.sums[r * groups + g] += xr[r * k + g * 32 + i];
-  // A unit holds each of its inputs' top 4 / PER bytes: the fp32 itself, or its bf16 (exact: rounded).
-  constexpr int bytes = 4 / PER;
-  char* units = reinterpret_cast<char*>(in.units.data());
-  for (int64_t i = 0; i < m * k; i++) std::memcpy(units + i * bytes, reinterpret_cast<const char*>(xr + i) + 4 - bytes, bytes);
+  // A bf16 unit holds each of its two inputs' top 2 bytes (exact: they are rounded).
+  if (PER == 2) {
+    char* units = reinterpret_cast<char*>(in.units.data());
+    for (int64_t i = 0; i < m * k; i++) std::memcpy(units + 2 * i, reinterpret_cast<const char*>(xr + i) + 2, 2);
+  }
   return in;
 }
 
