@@ -5,7 +5,7 @@ import argparse
 import os
 from pathlib import Path
 
-from models.quants import ATTENTIONS, QUANTS  # torch-free
+from models.quants import ATTENTIONS, LINEARS, QUANTS  # torch-free
 
 ROOT = Path(__file__).resolve().parent
 
@@ -93,6 +93,17 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--noise", type=float, default=0.1, help="regularisation: the first draft step's target features get "
                    "uniform noise U(-a, a), a = NOISE * the features' RMS (EAGLE's U(-0.1, 0.1)); 0 = none")
     p.add_argument("--weight-decay", type=float, default=0.0, help="regularisation: AdamW's decoupled weight decay")
+    p.add_argument("--linear", choices=["auto", *LINEARS], default="auto", help="the feature capture's CPU matmuls (as "
+                   "generate's --linear): auto = whichever times fastest here")
+    p.add_argument("--objective", choices=["ce", "lk", "lk-greedy"], default="ce", help="token loss: cross-entropy to the "
+                   "target's distribution (EAGLE's), LK's -log acceptance at temperature 1, or at temperature 0 "
+                   "(-log q of the target's argmax)")
+    p.add_argument("--replay", type=float, default=0.0, help="extra loss weight of positions the head's own greedy chain "
+                   "reaches and gets wrong (the errors a verify exposes); 0 = none")
+    p.add_argument("--fc-norm", action="store_true", help="eagle1: an RMSNorm on each of fc's inputs (EAGLE-3.1's "
+                   "fc_norm; the head then loads in Aerie, not in vLLM's EAGLE-1 loader)")
+    p.add_argument("--flattest", type=float, metavar="SHARE", help="train on this share of the conversations, those "
+                   "whose answers the target is least sure of (highest mean entropy); default: all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--eval-every", type=int, default=0, help="steps between validations and head snapshots (default: at epoch ends)")
@@ -148,7 +159,7 @@ def parse_generate_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="rows decoding together (default: what fits a quarter of free RAM, at most "
                    "64 on CPU; half of free VRAM, at most 256, on CUDA)")
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's, one per core); 1 while another job holds a core")
-    p.add_argument("--linear", choices=["auto", "onednn", "bf16x3", "bf16", "default"], default="auto",
+    p.add_argument("--linear", choices=["auto", *LINEARS], default="auto",
                    help="CPU matmuls: oneDNN fp32, bf16x3 (oneDNN bf16 on the weights' exact three-term split, "
                    "inputs rounded to bf16 as the served int4 kernel does; AMX or AVX512-BF16), bf16 (the weights "
                    "rounded to bf16 too), torch's default (MKL), or auto = whichever a quick timing finds fastest")

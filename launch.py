@@ -252,6 +252,7 @@ def run_train(args: argparse.Namespace) -> None:
     from core.errors import AerieError
     from core.train.loop import TrainConfig, train
     from core.text import render_prompt
+    from core.runtime.cpu_linear import batched_linear_kind
     from core.train.data import DataConfig
     from models.target import load_target
 
@@ -262,7 +263,9 @@ def run_train(args: argparse.Namespace) -> None:
     exclude = benchmark_prompts()
     try:
         cfg = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
-                          batch_tokens=args.batch_tokens, noise=args.noise, weight_decay=args.weight_decay, ttt_steps=args.ttt_steps, init_layer=args.init_from_target,
+                          batch_tokens=args.batch_tokens, noise=args.noise, weight_decay=args.weight_decay, ttt_steps=args.ttt_steps,
+                          objective=args.objective, replay=args.replay, flattest=args.flattest, fc_norm=args.fc_norm,
+                          init_layer=args.init_from_target,
                           init_head=args.init_from,
                           seed=args.seed, save_every=args.save_every, eval_every=args.eval_every, threads=args.threads,
                           time_limit_s=args.time_limit * 60 if args.time_limit else None)
@@ -270,7 +273,8 @@ def run_train(args: argparse.Namespace) -> None:
         # Stores keep token ids only: the benchmark prompts are matched as the chat template renders them.
         exclude_ids = frozenset(tuple(render_prompt(target.tokenizer, [{"role": "user", "content": t}])) for t in exclude)
         data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
-                          exclude_prompts=exclude, exclude_ids=exclude_ids, features_dir=args.features)
+                          exclude_prompts=exclude, exclude_ids=exclude_ids, features_dir=args.features,
+                          linear=batched_linear_kind(target.model, args.linear, DataConfig.capture_tokens))
         summary = train(target, data, cfg, args.out, resume=args.resume)
     except (AerieError, ValueError) as e:
         fail(e)

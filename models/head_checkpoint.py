@@ -52,6 +52,8 @@ def expected_shapes(c: HeadConfig) -> dict[str, tuple[int, ...]]:
     }
     if c.fc_bias:
         shapes["fc.bias"] = (H,)
+    if c.fc_norm:  # EAGLE-3.1's keys (vLLM PR #42764): one gain per fc input, embedding then feature
+        shapes |= {"fc_norm.0.weight": (H,), "fc_norm.1.weight": (H,)}
     if c.qkv_bias:
         shapes |= {f"{layer}self_attn.{p}_proj.bias": (n,) for p, n in (("q", q_out), ("k", kv_out), ("v", kv_out))}
     if c.kind == "eagle3":
@@ -215,7 +217,8 @@ def _layout(state: dict, raw: dict) -> dict:
                              f"{'have' if fc_bias else 'lack'} fc.bias; make the two agree.")
     return {"kind": kind, "fc_bias": fc_bias, "qkv_bias": f"{layer}self_attn.q_proj.bias" in keys,
             # eagle1's embed_tokens is a copy of the target's (ignored); eagle3's is the head's own, as vLLM loads it
-            "own_embedding": kind == "eagle3" and "embed_tokens.weight" in keys}
+            "own_embedding": kind == "eagle3" and "embed_tokens.weight" in keys,
+            "fc_norm": kind == "eagle1" and "fc_norm.0.weight" in keys}
 
 
 def _check_target(c: HeadConfig, text_config) -> None:

@@ -13,11 +13,12 @@ ARCHITECTURES = {"eagle1": "LlamaForCausalLM", "eagle3": "LlamaForCausalLMEagle3
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def head_config_for_target(target_config, kind: str, *, draft_vocab_size: int | None = None) -> HeadConfig:
+def head_config_for_target(target_config, kind: str, *, draft_vocab_size: int | None = None,
+                           fc_norm: bool = False) -> HeadConfig:
     """The config of a new head for this target: its shapes and RoPE, no biases (eagle.md 10.3)."""
     raw = target_config.get_text_config().to_dict()
     raw["draft_vocab_size"] = draft_vocab_size
-    return config_from_json(raw, kind=kind, fc_bias=False, qkv_bias=False, own_embedding=False)
+    return config_from_json(raw, kind=kind, fc_bias=False, qkv_bias=False, own_embedding=False, fc_norm=fc_norm)
 
 
 def config_to_json(c: HeadConfig, dtype: torch.dtype = torch.float16) -> dict:
@@ -45,7 +46,8 @@ def config_to_json(c: HeadConfig, dtype: torch.dtype = torch.float16) -> dict:
     return raw
 
 
-def config_from_json(raw: dict, *, kind: str, fc_bias: bool, qkv_bias: bool, own_embedding: bool) -> HeadConfig:
+def config_from_json(raw: dict, *, kind: str, fc_bias: bool, qkv_bias: bool, own_embedding: bool,
+                     fc_norm: bool = False) -> HeadConfig:
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"The head uses the {raw['hidden_act']} activation; Aerie's heads are SiLU (Llama) only.")
     try:
@@ -65,7 +67,7 @@ def config_from_json(raw: dict, *, kind: str, fc_bias: bool, qkv_bias: bool, own
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             fc_bias=fc_bias, qkv_bias=qkv_bias, rope_scaling=rope_scaling,
             target_hidden_size=int(target_hidden) if target_hidden and target_hidden != H else None,
-            own_embedding=own_embedding or bool(target_hidden and target_hidden != H),
+            own_embedding=own_embedding or bool(target_hidden and target_hidden != H), fc_norm=fc_norm,
         )
     except ValueError as err:
         raise ModelLoadError(f"The head's config.json is inconsistent: {err}.") from err

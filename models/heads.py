@@ -65,6 +65,7 @@ class HeadConfig:
     target_hidden_size: int | None = None   # eagle3: width of one target feature if it is not H
     own_embedding: bool = False    # eagle3: the head carries `embed_tokens` instead of the target's
     rope_scaling: RopeScaling | None = None  # None = plain RoPE
+    fc_norm: bool = False          # eagle1: an RMSNorm on each of fc's inputs (EAGLE-3.1's fc_norm.{i})
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -76,6 +77,8 @@ class HeadConfig:
         if self.kind == "eagle1" and (self.draft_vocab_size != self.vocab_size or self.own_embedding
                                       or self.target_width != self.hidden_size):
             raise ValueError("an eagle1 head uses the target's vocabulary, embedding and width")
+        if self.fc_norm and self.kind != "eagle1":
+            raise ValueError("fc_norm is implemented for eagle1 heads only")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft vocabulary {self.draft_vocab_size} exceeds the target's {self.vocab_size}")
         if self.target_width != self.hidden_size and not self.own_embedding:
@@ -256,6 +259,8 @@ class Eagle1Head(EagleHead):
         self.config = config
         self.target = TargetParts(target_embed, target_lm_head)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        if config.fc_norm:  # [norm(embedding), norm(feature)]: fc sees both at one scale, whatever each row's
+            self.fc_norm = nn.ModuleList([RMSNorm(config.hidden_size, config.rms_norm_eps) for _ in range(2)])
         self.layers = nn.ModuleList([Eagle1Layer(config)])
         self.rotary = Rotary(config)
 
@@ -263,8 +268,10 @@ class Eagle1Head(EagleHead):
         return feature_layers("eagle1", num_target_layers)
 
     def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
-        emb = self.target.embed(token_ids).to(self.fc.weight.dtype)      # (1, T, H)
-        h = self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))    # (1, T, 2H) -> (1, T, H)
+        emb, features = self.target.embed(token_ids).to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)  # (1, T, H)
+        if self.config.fc_norm:
+            emb, features = self.fc_norm[0](emb), self.fc_norm[1](features)
+        h = self.fc(torch.cat([emb, features], dim=-1))                  # (1, T, 2H) -> (1, T, H)
         cos, sin = self.rotary(position_ids)
         return self.layers[0](h, cos, sin, attention_mask, cache)        # (1, T, H) next feature
 

@@ -306,7 +306,7 @@ def test_train_takes_generated_features_instead_of_capturing(tmp_path):
 
     model, tok = tiny_llama(seed=7), ByteTokenizer()
     target = tiny_target(model)
-    shards = FeatureShards(tmp_path / "gen", (1, 2), signature(target, 16))
+    shards = FeatureShards(tmp_path / "gen", (1, 2), signature(target, 16, "default"))
     gen = BatchGenerator(model, GenConfig(batch=3, max_new_tokens=8, capture=Capture((1, 2), 16)), capacity=120)
     texts = [f"question {i}: " + "why" * (i % 5) for i in range(10)]
     write_answers(gen, tok, dict(enumerate(texts)), AnswerStore(tmp_path / "answers", SOURCE), prompt_cap=100,

@@ -13,9 +13,9 @@ from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.train.loop import TrainConfig, train
-from core.train.data import Batch
-from core.train.losses import DraftVocab, column_index, new_head, token_loss, ttt_mask, unroll
-from core.train.data import DataConfig, TrainDataError
+from core.train.data import Batch, DataConfig, FeatureSet, TrainDataError, flattest
+from core.train.losses import (DraftVocab, LossWeights, ahead, column_index, losses as head_losses, new_head,
+                               token_loss, ttt_mask, unroll)
 from models.errors import UnsupportedModelError
 from models.head_checkpoint import load_draft_vocab, load_head
 from tests.conftest import tiny_llama, tiny_target
@@ -102,11 +102,68 @@ def test_draft_vocabulary_scores_only_its_columns(model):
     torch.testing.assert_close(vocab.logits(head, hidden), head.draft_logits(hidden)[:, ids])
     assert vocab.to_target(head, torch.tensor([0, 3])).tolist() == [3, 200]
     teacher_ids = torch.tensor([[5, 3], [4, 7], [200, 1], [7, 5], [3, 4], [6, 9]])    # rows 1, 5: argmax outside
-    ce, kept, _ = token_loss(head, hidden, teacher_ids, torch.zeros(6, 2), vocab)
+    ce, kept, _ = token_loss(head, hidden, teacher_ids, torch.zeros(6, 2), vocab, "ce")
     assert kept.tolist() == [True, False, True, True, True, False]
     z = vocab.logits(head, hidden)
     assert torch.allclose(ce[0], z[0].logsumexp(-1) - 0.5 * (z[0, 1] + z[0, 0]))     # p = (1/2, 1/2) over 5 and 3
     assert torch.allclose(ce[2], z[2].logsumexp(-1) - z[2, 3])                      # 1 is outside: all mass on 200
+
+
+def test_lk_is_minus_log_acceptance_and_its_greedy_limit_is_the_argmax_ce(model):
+    """alpha = sum_v min(p_v, q_v): a teacher on q's own top-4, renormalised, has p_k >= q_k there, so
+    alpha is q's mass on those 4; a near one-hot teacher makes lk the greedy (hard-label) loss."""
+    head, vocab = new_head(model, "eagle1", None, None, 0, []), DraftVocab(None, None, None)
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    q = head.draft_logits(hidden).float().softmax(-1)                                  # (5, 256)
+    top = q.topk(4, dim=-1)
+    lk, kept, hit = token_loss(head, hidden, top.indices, top.values.log(), vocab, "lk")
+    assert kept.all() and hit.all()
+    torch.testing.assert_close(lk, -top.values.sum(-1).log())
+    greedy, _, _ = token_loss(head, hidden, top.indices, top.values.log(), vocab, "lk-greedy")
+    torch.testing.assert_close(greedy, -top.values[:, 0].log())
+    sharp = torch.tensor([[0.0, -80.0, -80.0, -80.0]]).expand(5, 4)
+    torch.testing.assert_close(token_loss(head, hidden, top.indices, sharp, vocab, "lk")[0], greedy)
+    assert (greedy >= lk).all()                                                       # q(argmax) <= alpha
+    with pytest.raises(ValueError, match="objective"):
+        token_loss(head, hidden, top.indices, sharp, vocab, "kl2")
+
+
+def test_replay_weighs_the_rows_the_heads_chain_reaches_and_gets_wrong(model):
+    """Step 0: every row is reached, a miss weighs 1 + r. Step 1: only rows whose step-0 draft hit."""
+    head, vocab = new_head(model, "eagle1", None, None, 0, []), DraftVocab(None, None, None)
+    gen = torch.Generator().manual_seed(4)
+    outs = [torch.randn(2, 9, 64, generator=gen) for _ in range(2)]                   # (B, W, H) per step
+    tokens = torch.randint(0, 256, (2, 10), generator=gen)
+    has = torch.zeros(2, 10, dtype=torch.bool)
+    has[:, 3:] = True
+    ids = torch.randint(0, 256, (2, 10, 3), generator=gen)
+    ids[0, 4:7, 0] = head.draft_logits(outs[0][0, 3:6]).argmax(-1)                    # rows 3-5 hit at step 0
+    batch = Batch(tokens, torch.zeros(2, 10, 64), ids, torch.randn(2, 10, 3, generator=gen), has)
+    w = LossWeights(0.0, 1.0, 0.5, "ce", replay=2.0)
+    total, _ = head_losses(head, outs, batch, w, vocab)
+    expected, reached = 0.0, torch.ones(2, 9, dtype=torch.bool)
+    for j in range(2):
+        rows = ahead(has, 1 + j)                                                       # p = t+1+j is an answer
+        ce, kept, hit = token_loss(head, outs[j][rows], ahead(ids, 1 + j)[rows], ahead(batch.teacher_logits, 1 + j)[rows],
+                                   vocab, "ce")
+        weight = kept * (1 + 2.0 * (reached[rows] & ~hit))
+        expected = expected + 0.5 ** j * (ce * weight).sum() / weight.sum()
+        if j == 0:
+            assert hit.sum() >= 3 and weight.max() == 3.0
+        reached = reached & rows
+        reached[rows] &= hit
+    torch.testing.assert_close(total, expected)
+    plain, _ = head_losses(head, outs, batch, replace(w, replay=0.0), vocab)
+    assert not torch.isclose(plain, total)
+
+
+def test_flattest_keeps_the_answers_the_target_is_least_sure_of():
+    """Three answers of 2 positions: sharp, uniform and in between; the flattest two are 1 and 2."""
+    logits = torch.tensor([[9.0, 0, 0], [9, 0, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [2, 0, 0]])
+    fs = FeatureSet(tokens=torch.zeros(9, dtype=torch.long), features=torch.zeros(9, 4), starts=torch.tensor([0, 3, 6, 9]),
+                    prompt_lens=torch.ones(3, dtype=torch.long), tstarts=torch.tensor([0, 2, 4, 6]),
+                    teacher_ids=torch.zeros(6, 3, dtype=torch.int32), teacher_logits=logits.half())
+    assert flattest(fs, 2 / 3) == [1, 2] and flattest(fs, 1 / 3) == [1] and flattest(fs, 1.0) == [0, 1, 2]
 
 
 def test_resume_continues_exactly(model, answers, tmp_path):
@@ -138,6 +195,25 @@ def test_warm_start_continues_from_a_trained_head(model, answers, tmp_path):
               replace(short, kind="eagle3", draft_vocab=160, init_head=str(tmp_path / "first")), tmp_path / "bad")
 
 
+def test_fc_norm_head_warm_starts_from_one_without_and_drafts_losslessly(model, answers, tmp_path):
+    """EAGLE-3.1's fc_norm on an EAGLE-1 head: warm-started from a head without it, the gains start at
+    the inputs' RMS (its first loss near where that head ended), it saves its fc_norm.{0,1} keys,
+    loads back as such and drafts exactly the target's greedy text; a head with it cannot seed one without."""
+    short = replace(CFG, epochs=2)
+    train(tiny_target(model), data(answers, tmp_path), short, tmp_path / "plain")
+    normed = replace(short, fc_norm=True, init_head=str(tmp_path / "plain"))
+    train(tiny_target(model), data(answers, tmp_path), normed, tmp_path / "normed")
+    assert losses(tmp_path / "normed")[0] < 0.8 * losses(tmp_path / "plain")[0]
+    head = load_head(str(tmp_path / "normed"), model.config, model.get_input_embeddings(), model.get_output_embeddings())
+    assert head.config.fc_norm and {"fc_norm.0.weight", "fc_norm.1.weight"} <= set(head.state_dict())
+    prompt = json.loads(answers.read_text().splitlines()[0])["prompt_ids"]
+    plain, _ = run(Engine(tiny_target(model)), prompt)
+    drafted, _ = run(Engine(tiny_target(model), EagleDrafter(head, 2, TreeConfig(2, 2, 6))), prompt)
+    assert drafted == plain
+    with pytest.raises(Exception, match="another shape"):
+        train(tiny_target(model), data(answers, tmp_path), replace(short, init_head=str(tmp_path / "normed")), tmp_path / "bad")
+
+
 def test_features_are_reused_and_match_the_engine(model, answers, tmp_path):
     from core.train.data import capture, load_conversations, load_features
 
@@ -156,6 +232,24 @@ def test_features_are_reused_and_match_the_engine(model, answers, tmp_path):
     teacher = fs.teacher_ids[int(fs.tstarts[3]): int(fs.tstarts[4]), 0]
     assert teacher.tolist() == out.logits[0, P:].argmax(-1).tolist()  # greedy answers: argmax = next token
     assert teacher[:-1].tolist() == list(convs[3].answer_ids[1:])
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.mkldnn, "_linear_pointwise"), reason="this torch has no oneDNN linear")
+def test_capture_on_onednn_matmuls_is_its_own_signature_and_leaves_the_model_as_it_was(model, answers, tmp_path):
+    """A capture on oneDNN fp32 matmuls writes shards apart from torch's (another digest and
+    signature: an earlier capture's numbers are not mixed in), close to them, and leaves the target's
+    nn.Linears in place for training."""
+    from core.train.data import capture, load_conversations, load_features
+
+    convs, _ = load_conversations(data(answers, tmp_path), 256, 512)
+    target = tiny_target(model)
+    default, _ = capture(target, convs[:10], (2,), data(answers, tmp_path), tmp_path / "f", "t")
+    onednn, stats = capture(target, convs[:10], (2,), data(answers, tmp_path, linear="fp32"), tmp_path / "f", "t")
+    assert stats["captured_shards"] == 2 and stats["reused"] == 0 and set(default).isdisjoint(onednn)
+    assert isinstance(model.lm_head, torch.nn.Linear) and isinstance(model.model.layers[0].mlp.up_proj, torch.nn.Linear)
+    a, b = load_features(default), load_features(onednn)
+    torch.testing.assert_close(b.features.float(), a.features.float(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(a.teacher_ids[:, 0], b.teacher_ids[:, 0])
 
 
 def test_benchmark_prompts_are_dropped_and_bad_input_is_refused(answers, tmp_path):

@@ -15,10 +15,12 @@ target's distribution, which these share.
 """
 
 import time
+from contextlib import contextmanager
 
 import torch
 
 from models.cpu_quant import OneDnnLinear, onednn_runs
+from models.quants import LINEARS
 from models.target import Target
 
 
@@ -63,13 +65,43 @@ def fastest_batched_linear(model, rows: int) -> str:
     return best
 
 
-def use_onednn_linears(model: torch.nn.Module, rows: int, kind: str = "fp32") -> None:
+# --linear (generate, train) -> the OneDnnLinear kind; "default" keeps torch's own GEMM.
+LINEAR_KINDS = dict(zip(LINEARS, ("default", "fp32", "bf16x3", "bf16")))
+
+
+def batched_linear_kind(model, name: str, rows: int) -> str:
+    """The kind --linear `name` asks for ("auto": fastest_batched_linear's pick); "default" for a
+    model oneDNN cannot serve (on a GPU, or quantized)."""
+    if not linear_seconds(model, 1, ()):
+        if name not in ("auto", "default"):
+            raise ValueError(f"--linear {name} runs oneDNN on an unquantized model on a CPU; this one is not.")
+        return "default"
+    return fastest_batched_linear(model, rows) if name == "auto" else LINEAR_KINDS[name]
+
+
+def use_onednn_linears(model: torch.nn.Module, rows: int, kind: str = "fp32") -> list[tuple]:
     """Swap every nn.Linear of `model` for a OneDnnLinear of `kind` packed for `rows` rows, in
-    place (pass a model you own; it stays a CPU inference model)."""
+    place (pass a model you own; it stays a CPU inference model). Returns (module, name, linear)
+    of each swapped one."""
+    swapped = []
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, torch.nn.Linear):
+                swapped.append((module, name, child))
                 setattr(module, name, OneDnnLinear(child, rows, kind=kind))
+    return swapped
+
+
+@contextmanager
+def onednn_linears(model: torch.nn.Module, rows: int, kind: str):
+    """`model`'s linears as OneDnnLinears of `kind` inside the block (no-op for "default"), its own
+    nn.Linears again after: training reads their weights and needs their gradients."""
+    swapped = use_onednn_linears(model, rows, kind) if kind != "default" else []
+    try:
+        yield
+    finally:
+        for module, name, linear in swapped:
+            setattr(module, name, linear)
 
 
 def accelerate_cpu(target: Target, rows: int = 16) -> bool:

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from core.files import written_whole
+from core.runtime.cpu_linear import onednn_linears
 from core.train.answers import AnswerStoreError, is_store, read_answers
 from models.errors import AerieError
 from models.target import Target
@@ -69,6 +70,7 @@ class DataConfig:
     shard_size: int = 64                  # conversations per shard
     capture_tokens: int = 4096            # padded tokens per target forward during capture
     teacher_topk: int = TEACHER_TOPK
+    linear: str = "default"               # capture's matmuls: a OneDnnLinear kind (core/runtime/cpu_linear.py)
 
 
 def answer_rows(paths: tuple[Path, ...]) -> Iterator[tuple[str, dict]]:
@@ -195,14 +197,14 @@ def write_shard(path: Path, tensors: dict, layers: tuple[int, ...], signature: s
                   metadata={"layers": json.dumps(list(layers)), "signature": signature})
 
 
-def signature(target: Target, topk: int) -> str:
-    """Which target and teacher size a shard's numbers come from (its layers are beside it)."""
-    return json.dumps([target.name, target.quant, str(target.dtype), topk])
+def signature(target: Target, topk: int, linear: str) -> str:
+    """Which target, matmul kind and teacher size a shard's numbers come from (its layers are beside it)."""
+    return json.dumps([target.name, target.quant, str(target.dtype), topk] + ([linear] if linear != "default" else []))
 
 
-def shard_digest(convs: list[Conversation], target: Target, layers: tuple[int, ...], topk: int) -> str:
+def shard_digest(convs: list[Conversation], target: Target, layers: tuple[int, ...], topk: int, linear: str) -> str:
     key = json.dumps([target.name, target.quant, str(target.dtype), layers, topk, [c.ids for c in convs],
-                      [len(c.prompt_ids) for c in convs]])
+                      [len(c.prompt_ids) for c in convs]] + ([linear] if linear != "default" else []))
     return hashlib.sha1(key.encode()).hexdigest()[:20]
 
 
@@ -246,18 +248,20 @@ def capture(target: Target, convs: list[Conversation], layers: tuple[int, ...], 
     """Shards for `convs` under `folder`, captured now unless already there. Returns (paths, stats)."""
     folder.mkdir(parents=True, exist_ok=True)
     chunks = [convs[i: i + cfg.shard_size] for i in range(0, len(convs), cfg.shard_size)]
-    paths = [folder / f"{shard_digest(c, target, layers, cfg.teacher_topk)}.safetensors" for c in chunks]
+    paths = [folder / f"{shard_digest(c, target, layers, cfg.teacher_topk, cfg.linear)}.safetensors" for c in chunks]
     todo = [(c, p) for c, p in zip(chunks, paths) if not p.is_file()]
-    captured = Captured(folder, signature(target, cfg.teacher_topk), layers) if todo else None
+    sign = signature(target, cfg.teacher_topk, cfg.linear)
+    captured = Captured(folder, sign, layers) if todo else None
     positions, reused, t0 = 0, 0, time.perf_counter()
     bar = tqdm(total=sum(len(x.ids) for c, _ in todo for x in c), unit="pos", desc=f"capture {label}",
                disable=not todo, dynamic_ncols=True)
-    for chunk, path in todo:
-        tensors, found = capture_shard(target, chunk, layers, cfg, captured)
-        write_shard(path, tensors, layers, signature(target, cfg.teacher_topk))
-        reused += found
-        positions += len(tensors["tokens"]) - found
-        bar.update(len(tensors["tokens"]))
+    with onednn_linears(target.model, cfg.capture_tokens, cfg.linear):
+        for chunk, path in todo:
+            tensors, found = capture_shard(target, chunk, layers, cfg, captured)
+            write_shard(path, tensors, layers, sign)
+            reused += found
+            positions += len(tensors["tokens"]) - found
+            bar.update(len(tensors["tokens"]))
     bar.close()
     seconds = time.perf_counter() - t0
     return paths, {"shards": len(paths), "captured_shards": len(todo), "positions": positions,
@@ -303,6 +307,18 @@ def load_features(paths: list[Path]) -> FeatureSet:
     return FeatureSet(tokens=cat["tokens"].long(), features=cat["features"], starts=torch.cat([zero, lengths.cumsum(0)]),
                       prompt_lens=prompt_lens, tstarts=torch.cat([zero, (lengths - prompt_lens).cumsum(0)]),
                       teacher_ids=cat["teacher_ids"], teacher_logits=cat["teacher_logits"])
+
+
+def flattest(fs: FeatureSet, share: float) -> list[int]:
+    """The `share` of sequences whose answer positions the target is least sure of: highest mean
+    entropy H = -sum_k p_k log p_k of its top-K next-token distribution (flatness data selection,
+    arXiv 2601.18902), ascending indices. Where the target is sure, the head already agrees."""
+    logp = fs.teacher_logits.float().log_softmax(-1)                     # (M, K)
+    entropy = -(logp.exp() * logp).sum(-1)                               # (M,)
+    sums = torch.cat([torch.zeros(1), entropy.cumsum(0)])[fs.tstarts]    # (S+1,)
+    mean = (sums[1:] - sums[:-1]) / (fs.tstarts[1:] - fs.tstarts[:-1]).clamp(min=1)
+    keep = max(1, round(share * len(fs)))
+    return sorted(torch.argsort(-mean, stable=True)[:keep].tolist())
 
 
 @dataclass(frozen=True)

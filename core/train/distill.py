@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from core.text import render_prompt
 from core.train.answers import AnswerStore, file_sha256
-from core.runtime.cpu_linear import fastest_batched_linear, use_onednn_linears
+from core.runtime.cpu_linear import LINEAR_KINDS, batched_linear_kind, use_onednn_linears
 from models.cpu_quant import OneDnnLinear
 from core.train.batch_gen import Answer, BatchGenerator, Capture, GenConfig, choose_batch
 from core.train.row_cache import use_row_group_attention
@@ -37,9 +37,6 @@ DISTILL_SEED = 1234  # ../shared/distill shuffled mix_v1 with random.Random(1234
 # Shuffled mix_v1 indices the shipped answers used (matched by prompt text): greedy-200.jsonl took
 # 0-840, greedy-256.jsonl 6000-9286. 9287 is the first index after both; 841-5999 are unused too.
 FRESH_START = 9287
-# --linear -> the OneDnnLinear kind (models/cpu_quant.py); "default" keeps torch's own GEMM. bf16x3
-# keeps the weights exactly and rounds each linear's input to bf16, as the served int4 kernel does.
-LINEAR_KINDS = {"default": "default", "onednn": "fp32", "bf16x3": "bf16x3", "bf16": "bf16"}
 
 
 def shuffled_prompts(path: Path, start: int, limit: int | None) -> list[str]:
@@ -133,7 +130,7 @@ def prepare(target: Target, job: GenerateJob) -> BatchGenerator:
     if capacity > target.context_len:
         raise ValueError(f"--prompt-cap + --max-new-tokens = {capacity} exceeds the model's context of {target.context_len}")
     batch = job.batch or choose_batch(target.model, capacity, target.device)
-    kind = fastest_batched_linear(target.model, batch) if job.linear == "auto" else LINEAR_KINDS[job.linear]
+    kind = batched_linear_kind(target.model, job.linear, batch)
     if kind != "default":
         use_onednn_linears(target.model, batch, kind)
     use_row_group_attention(target.model)
@@ -147,9 +144,14 @@ def capture_layers(target: Target, kinds: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(sorted({i for kind in kinds for i in feature_layers(kind, n)}))
 
 
+def linear_kind(gen: BatchGenerator) -> str:
+    """The OneDnnLinear kind the generator's matmuls run as, or "default"."""
+    return gen.head.kind if isinstance(gen.head, OneDnnLinear) else "default"
+
+
 def describe(gen: BatchGenerator) -> dict:
     s = gen.stats
-    kind = gen.head.kind if isinstance(gen.head, OneDnnLinear) else "default"
+    kind = linear_kind(gen)
     linear = {k: name for name, k in LINEAR_KINDS.items()}.get(kind, kind)
     return {"batch": gen.cfg.batch, "linear": linear, "decode_steps": s.decode_steps,
             "rows_per_step": round(s.row_steps / max(s.decode_steps, 1), 1), "decode_s": round(s.decode_s, 1),
@@ -165,7 +167,8 @@ def distill(target: Target, job: GenerateJob, out: Path | None, answers_root: Pa
     texts = {i: t for i, t in enumerate(shuffled_prompts(job.prompts, job.start, job.limit), job.start)
              if t.strip()[:PREFIX_CHARS] not in banned}
     capture = gen.cfg.capture  # set by prepare when job.features is given
-    shards = FeatureShards(job.features, capture.layers, signature(target, capture.topk)) if capture else None
+    shards = (FeatureShards(job.features, capture.layers, signature(target, capture.topk, linear_kind(gen)))
+              if capture else None)
     source = {"target": target_record(target, job, describe(gen)["linear"]), "prompts": prompts_record(job.prompts)}
     folder = out or answers_root / store_name(source["target"])
     limit = (answers_root, budget) if budget is not None and folder.resolve().is_relative_to(answers_root.resolve()) else None

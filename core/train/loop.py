@@ -23,9 +23,10 @@ import torch
 from tqdm import tqdm
 
 from core.files import written_whole
-from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_conversations,
-                             load_features, make_batch, split)
-from core.train.losses import DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head, unroll, warm_start
+from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, flattest, length_batches,
+                             load_conversations, load_features, make_batch, split)
+from core.train.losses import (OBJECTIVES, DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head, unroll,
+                               warm_start)
 from models.errors import AerieError, UnsupportedModelError
 from models.head_checkpoint import save_draft_vocab, save_head
 from models.heads import KINDS, EagleHead
@@ -52,6 +53,10 @@ class TrainConfig:
     noise: float = 0.1                 # step-0 features get U(-a, a), a = noise * feature RMS (EAGLE: U(-0.1, 0.1))
     ttt_steps: int | None = None       # unroll steps; None = 1 (eagle1), 5 (eagle3, its paper)
     ttt_decay: float = 0.8
+    objective: str = "ce"              # token loss (losses.OBJECTIVES): ce, lk (-log acceptance), lk-greedy
+    replay: float = 0.0                # a row the head's chain reaches and the target rejects weighs 1 + this
+    flattest: float | None = None      # train on this share of the conversations, those the target is least sure of
+    fc_norm: bool = False              # eagle1: EAGLE-3.1's RMSNorm on each of fc's inputs
     eval_depth: int = 4                # depths of the validation chain
     init_layer: int | None = None      # copy this target decoder layer into the head's (-1 = the last)
     init_head: str | None = None       # start from this trained head's weights (a folder): more data, warm
@@ -69,6 +74,10 @@ class TrainConfig:
         if self.kind == "eagle1" and self.draft_vocab is not None:
             raise UnsupportedModelError("A reduced draft vocabulary needs an EAGLE-3 head (--kind eagle3); "
                                         "EAGLE-1 heads use the target's own LM head.")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"Unknown objective '{self.objective}': choose one of {', '.join(OBJECTIVES)}.")
+        if self.replay < 0 or (self.flattest is not None and not 0 < self.flattest <= 1):
+            raise ValueError(f"--replay must be >= 0 and --flattest in (0, 1], not {self.replay} and {self.flattest}")
         if self.epochs < 1 or self.steps < 1 or self.batch_tokens < 2:
             raise ValueError(f"bad training config {self}")
 
@@ -82,7 +91,7 @@ class TrainConfig:
 
     @property
     def loss_weights(self) -> LossWeights:
-        return LossWeights(self.reg_weight, self.cls_weight, self.ttt_decay)
+        return LossWeights(self.reg_weight, self.cls_weight, self.ttt_decay, self.objective, self.replay)
 
     @property
     def steps(self) -> int:
@@ -200,7 +209,9 @@ def fit(head: EagleHead, trainset: FeatureSet, valset: FeatureSet, cfg: TrainCon
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     rng = torch.Generator().manual_seed(cfg.seed)
     progress = load_checkpoint(out / CHECKPOINT, head, opt, rng, cfg, data_id) if resume else Progress()
-    plan = [length_batches(trainset.lengths, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed * 1000 + e))
+    seqs = flattest(trainset, cfg.flattest) if cfg.flattest else list(range(len(trainset)))
+    plan = [[[seqs[i] for i in b] for b in length_batches(trainset.lengths[seqs], cfg.batch_tokens,
+                                                          torch.Generator().manual_seed(cfg.seed * 1000 + e))]
             for e in range(cfg.epochs)]
     total = sum(map(len, plan))
     save = lambda: save_checkpoint(out / CHECKPOINT, head, opt, rng, progress, cfg, data_id)  # noqa: E731
@@ -272,22 +283,25 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
                          if resume is False else f"--resume: {out} has no {CHECKPOINT} to continue from.")
     target.model.requires_grad_(False)
     train_convs, val_convs, dropped = conversations(target, data)
-    head = new_head(target.model, cfg.kind, cfg.draft_vocab, cfg.init_layer, cfg.seed, [c.answer_ids for c in train_convs])
-    if cfg.init_head and not resume:  # on resume the checkpoint already holds the warm-started weights
-        warm_start(head, target.model, cfg.init_head)
+    head = new_head(target.model, cfg.kind, cfg.draft_vocab, cfg.init_layer, cfg.seed, [c.answer_ids for c in train_convs],
+                    cfg.fc_norm)
     layers = head.feature_layers(target.model.config.get_text_config().num_hidden_layers)
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
     val_paths, cap_val = capture(target, val_convs, layers, data, folder, "val")
     trainset, valset = load_features(train_paths), load_features(val_paths)
     rms = float(trainset.features[:100_000].float().pow(2).mean().sqrt())  # feature scale, for the noise
+    if cfg.init_head and not resume:  # on resume the checkpoint already holds the warm-started weights
+        embedded = target.model.get_input_embeddings()(trainset.tokens[:100_000].to(target.device))
+        warm_start(head, target.model, cfg.init_head, (float(embedded.float().pow(2).mean().sqrt()), rms))
     vocab = draft_vocab(head, [c.answer_ids for c in train_convs])
     run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, vocab)
     progress, finished = fit(head, trainset, valset, cfg, run, out, resume, [p.stem for p in train_paths], deadline)
     save_head(head, out)
     if vocab.ids is not None:  # eagle1 over a big vocabulary: the tokens it trained (and drafts) on
         save_draft_vocab(out, vocab.ids.cpu())
-    summary = {"out": str(out), "kind": cfg.kind, "finished": finished, "dropped_benchmark_prompts": dropped,
+    summary = {"out": str(out), "kind": cfg.kind, "objective": cfg.objective, "replay": cfg.replay, "flattest": cfg.flattest,
+               "fc_norm": cfg.fc_norm, "capture_linear": data.linear, "finished": finished, "dropped_benchmark_prompts": dropped,
                "train_conversations": len(train_convs), **run_numbers(trainset, valset, cap_train, cap_val, progress),
                "wall_s": round(time.time() - t_start, 1)}
     (out / "train.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -10,6 +10,12 @@ Loss at row t, step j, where p = t+1+j must be an answer position:
   EAGLE-1: w_reg * SmoothL1(out, f_p) + w_cls * CE(teacher_p, softmax(lm_head_d(out)))   w = 1.0, 0.1
   EAGLE-3: CE(teacher_p, softmax(lm_head(norm(out))))
   total:   sum_j decay^j * loss_j                                                         decay 0.8
+The token loss (`objective`) is CE to the teacher p (KL up to a constant), or LK's negative log
+acceptance (Samarin et al. 2026, arXiv 2602.23881): alpha = sum_v min(p_v, q_v) is the chance that
+speculative sampling accepts a draft from q, so loss = -log alpha. Under greedy decoding p is the
+one-hot of the target's argmax and -log alpha = -log q(argmax p) ("lk-greedy", hard-label CE).
+Replay (Draft-OPD's error positions, arXiv 2605.29343): a row that the head's own greedy chain
+reaches (every shallower draft matched) and whose draft the target rejects weighs 1 + replay.
 The teacher is the target's top-K distribution at p, restricted to the draft vocabulary and
 renormalised (calibration.md 1); a row whose teacher argmax is outside it is not scored. Both
 kinds draft from a vocabulary of frequent answer tokens: EAGLE-3 from its own d2t, EAGLE-1 from
@@ -21,7 +27,7 @@ top-k, M selected rows, V / Vd target / draft vocabulary. Knows nothing about fi
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,18 +40,23 @@ from models.head_config import head_config_for_target
 from models.heads import EagleHead, build_head
 
 
+OBJECTIVES = ("ce", "lk", "lk-greedy")
+
+
 @dataclass(frozen=True)
 class LossWeights:
     reg: float     # feature regression (EAGLE-1)
-    cls: float     # token cross-entropy
+    cls: float     # token loss
     decay: float   # step j of the unroll weighs decay^j
+    objective: str = "ce"   # token loss: one of OBJECTIVES
+    replay: float = 0.0     # extra weight of a row the head's chain reaches and the target rejects
 
 
 def new_head(model, kind: str, draft_vocab: int | None, init_layer: int | None, seed: int,
-             answers: list[tuple[int, ...]]) -> EagleHead:
+             answers: list[tuple[int, ...]], fc_norm: bool = False) -> EagleHead:
     """A fresh fp32 head for the HF causal LM `model`, seeded; `answers` give EAGLE-3 its draft vocabulary."""
     torch.manual_seed(seed)
-    config = head_config_for_target(model.config, kind, draft_vocab_size=draft_vocab)
+    config = head_config_for_target(model.config, kind, draft_vocab_size=draft_vocab, fc_norm=fc_norm)
     head = build_head(config, model.get_input_embeddings(), model.get_output_embeddings())
     with torch.no_grad():
         if kind == "eagle3":
@@ -55,14 +66,21 @@ def new_head(model, kind: str, draft_vocab: int | None, init_layer: int | None, 
     return head.to(model.get_input_embeddings().weight.device)
 
 
-def warm_start(head: EagleHead, model, source: str) -> None:
+def warm_start(head: EagleHead, model, source: str, input_rms: tuple[float, float]) -> None:
     """Copy a trained head's weights into `head` (same kind and sizes, checked by the loader), to
-    train it further on more data instead of from scratch."""
+    train it further on more data instead of from scratch. A head gaining fc_norm starts each
+    norm's gain at its input's RMS over the data (`input_rms`: embedding, feature), so that
+    norm(x) = g x / rms(x) ~ x and the warm head drafts as before."""
     trained = load_head(source, model.config, model.get_input_embeddings(), model.get_output_embeddings())
-    if trained.config != head.config:
+    if replace(trained.config, fc_norm=head.config.fc_norm) != head.config or trained.config.fc_norm > head.config.fc_norm:
         raise HeadMismatchError(f"--init-from {source} is a {trained.config.kind} head of another shape than "
-                                f"the {head.config.kind} head this run trains; pass the same --kind and --draft-vocab.")
-    head.load_state_dict(trained.state_dict())
+                                f"the {head.config.kind} head this run trains; pass the same --kind, --draft-vocab and --fc-norm.")
+    missing, _ = head.load_state_dict(trained.state_dict(), strict=False)
+    assert all(k.startswith("fc_norm.") for k in missing), missing
+    if missing:
+        with torch.no_grad():
+            for norm, rms in zip(head.fc_norm, input_rms):
+                norm.weight.fill_(rms)
 
 
 def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int) -> torch.Tensor:
@@ -149,10 +167,6 @@ def ahead(x: torch.Tensor, s: int) -> torch.Tensor:
     return torch.cat([shifted, x.new_zeros(x.shape[0], W - shifted.shape[1], *x.shape[2:])], dim=1)
 
 
-def masked_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return (x * keep).sum() / keep.sum().clamp(min=1)  # 0, not NaN, when nothing is kept
-
-
 def ttt_mask(W: int, j: int, device) -> torch.Tensor:
     """(1, 1, W, (j+1)W) additive mask of unroll step j. Row t sees the step-0 keys at <= t (the
     committed pairs) and, of each later step, only its own row: its ancestors at depths 1..j."""
@@ -176,36 +190,56 @@ def unroll(head: EagleHead, batch: Batch, steps: int, noise_amp: float, rng: tor
 
 
 def token_loss(head: EagleHead, hidden: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor,
-               vocab: DraftVocab) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden (M, H), teacher top-K ids/logits (M, K) -> per-row CE (M,), kept rows (M,), top-1 hit (M,).
-    CE = logsumexp(z) - sum_k p_k z[id_k]; p is the teacher renormalised over the ids in the draft
-    vocabulary, and a row whose teacher argmax is outside it is not kept."""
+               vocab: DraftVocab, objective: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden (M, H), teacher top-K ids/logits (M, K) -> per-row loss (M,), kept rows (M,), top-1 hit (M,).
+    p is the teacher renormalised over the ids in the draft vocabulary; a row whose teacher argmax
+    is outside it is not kept. log q = z - logsumexp(z) over the draft vocabulary.
+      ce:        logsumexp(z) - sum_k p_k z[id_k]
+      lk:        -log sum_k min(p_k, q[id_k])
+      lk-greedy: logsumexp(z) - z[id_0]             (p one-hot on the target's argmax)"""
     z = vocab.logits(head, hidden).float()                               # (M, Vd)
     cols = ids if vocab.index is None else vocab.index[ids]              # (M, K) draft columns, -1 outside
     inside = cols >= 0
     p = torch.where(inside[:, :1], logits.masked_fill(~inside, -math.inf).softmax(-1), 0.0)
-    ce = z.logsumexp(-1) - (p * z.gather(-1, cols.clamp(min=0))).sum(-1)
+    lse, zk = z.logsumexp(-1), z.gather(-1, cols.clamp(min=0))           # (M,), (M, K)
+    if objective == "ce":
+        loss = lse - (p * zk).sum(-1)
+    elif objective == "lk":
+        alpha = torch.minimum(p, (zk - lse[:, None]).exp()).sum(-1)
+        loss = -alpha.clamp(min=torch.finfo(torch.float32).tiny).log()
+    elif objective == "lk-greedy":
+        loss = lse - zk[:, 0]
+    else:
+        raise ValueError(f"unknown objective {objective!r}: one of {', '.join(OBJECTIVES)}")
     hit = vocab.to_target(head, z.argmax(-1)) == ids[:, 0]
-    return ce, inside[:, 0], hit
+    return loss, inside[:, 0], hit
+
+
+def weighted_mean(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x * weight).sum() / weight.sum().clamp(min=1e-9)  # 0, not NaN, when nothing weighs
 
 
 def losses(head: EagleHead, outs: list[torch.Tensor], batch: Batch, weights: LossWeights,
            vocab: DraftVocab) -> tuple[torch.Tensor, dict]:
     total, stats = 0.0, {}
+    reached = torch.ones_like(batch.has_teacher[:, 1:])                  # (B, W) the head's chain matched so far
     for j, out in enumerate(outs):
         rows = ahead(batch.has_teacher, 1 + j)                           # (B, W): p = t+1+j is an answer position
         hidden = out[rows]                                               # (M, H)
-        ce, kept, hit = token_loss(head, hidden, ahead(batch.teacher_ids, 1 + j)[rows],
-                                   ahead(batch.teacher_logits, 1 + j)[rows], vocab)
-        ce = masked_mean(ce, kept)
-        loss = weights.cls * ce
+        tok, kept, hit = token_loss(head, hidden, ahead(batch.teacher_ids, 1 + j)[rows],
+                                    ahead(batch.teacher_logits, 1 + j)[rows], vocab, weights.objective)
+        rejected = reached[rows] & ~hit                                  # (M,) an error a verify would expose
+        tok = weighted_mean(tok, kept * (1 + weights.replay * rejected))
+        loss = weights.cls * tok
         if weights.reg:
             reg = F.smooth_l1_loss(hidden, ahead(batch.features, 1 + j)[rows], reduction="none").mean(-1)
-            reg = masked_mean(reg, torch.ones_like(kept))
+            reg = weighted_mean(reg, torch.ones_like(reg))
             loss = loss + weights.reg * reg
             stats.setdefault("reg", reg.item())
         total = total + weights.decay ** j * loss
-        stats.setdefault("ce", ce.item())
+        reached = reached & rows
+        reached[rows] = reached[rows] & hit
+        stats.setdefault("token", tok.item())
         stats.setdefault("acc0", hit.float().mean().item())
         stats.setdefault("positions", int(rows.sum()))
     return total, stats | {"loss": float(total.detach())}
