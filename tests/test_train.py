@@ -92,6 +92,11 @@ def test_eagle1_trains_on_the_draft_vocabulary_it_drafts_from(model, answers, tm
     plain, _ = run(Engine(tiny_target(model)), prompt)
     drafted, rounds = run(Engine(tiny_target(model), EagleDrafter(head, 2, TreeConfig(3, 4, 12), vocab)), prompt)
     assert drafted == plain and len(drafted) / rounds > 1.3
+    # Warm-started on other answers (a third as many: other frequent tokens), it keeps the vocabulary it learned.
+    monkeypatch.setattr("core.train.losses.EAGLE1_DRAFT_VOCAB", 48)
+    train(tiny_target(model), data(answers, tmp_path, max_tokens=200), replace(CFG, epochs=1, init_head=str(tmp_path / "head")),
+          tmp_path / "warm")
+    assert torch.equal(load_draft_vocab(str(tmp_path / "warm"), 256), vocab)
 
 
 def test_draft_vocabulary_scores_only_its_columns(model):

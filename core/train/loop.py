@@ -28,7 +28,7 @@ from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capt
 from core.train.losses import (OBJECTIVES, DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head, unroll,
                                warm_start)
 from models.errors import AerieError, UnsupportedModelError
-from models.head_checkpoint import save_draft_vocab, save_head
+from models.head_checkpoint import load_draft_vocab, save_draft_vocab, save_head
 from models.heads import KINDS, EagleHead
 from models.target import Target
 
@@ -294,7 +294,8 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     if cfg.init_head and not resume:  # on resume the checkpoint already holds the warm-started weights
         embedded = target.model.get_input_embeddings()(trainset.tokens[:100_000].to(target.device))
         warm_start(head, target.model, cfg.init_head, (float(embedded.float().pow(2).mean().sqrt()), rms))
-    vocab = draft_vocab(head, [c.answer_ids for c in train_convs])
+    kept = load_draft_vocab(cfg.init_head, head.config.vocab_size) if cfg.init_head else None
+    vocab = draft_vocab(head, [c.answer_ids for c in train_convs], kept)
     run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, vocab)
     progress, finished = fit(head, trainset, valset, cfg, run, out, resume, [p.stem for p in train_paths], deadline)
     save_head(head, out)

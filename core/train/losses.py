@@ -137,14 +137,15 @@ class DraftVocab:
         return head.to_target_ids(cols) if self.ids is None else self.ids[cols]
 
 
-def draft_vocab(head: EagleHead, answers: list[tuple[int, ...]]) -> DraftVocab:
-    """EAGLE-3: its own d2t. EAGLE-1: the EAGLE1_DRAFT_VOCAB most frequent answer tokens (ascending
-    ids), the set saved beside the head and drafted from at inference."""
+def draft_vocab(head: EagleHead, answers: list[tuple[int, ...]], kept: torch.Tensor | None = None) -> DraftVocab:
+    """EAGLE-3: its own d2t. EAGLE-1: `kept` (a warm start's own draft vocabulary: the head goes on
+    drafting from the tokens it learned), else the EAGLE1_DRAFT_VOCAB most frequent answer tokens
+    (ascending ids); the set is saved beside the head and drafted from at inference."""
     c = head.config
     if c.kind == "eagle1":
-        if c.vocab_size <= EAGLE1_DRAFT_VOCAB:
+        if kept is None and c.vocab_size <= EAGLE1_DRAFT_VOCAB:
             return DraftVocab(None, None, None)
-        ids = frequent_tokens(answers, c.vocab_size, EAGLE1_DRAFT_VOCAB).to(head.fc.weight.device)
+        ids = (kept if kept is not None else frequent_tokens(answers, c.vocab_size, EAGLE1_DRAFT_VOCAB)).to(head.fc.weight.device)
         return DraftVocab(column_index(ids, c.vocab_size), ids, head.target.lm_head.weight[ids].detach())
     if c.draft_vocab_size == c.vocab_size:
         return DraftVocab(None, None, None)
