@@ -25,8 +25,8 @@ from tqdm import tqdm
 from core.files import written_whole
 from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, flattest, length_batches,
                              load_conversations, load_features, make_batch, split)
-from core.train.losses import (OBJECTIVES, DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head, unroll,
-                               warm_start)
+from core.train.losses import (OBJECTIVES, DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head,
+                               start_fc_norm, unroll, warm_start)
 from models.errors import AerieError, UnsupportedModelError
 from models.head_checkpoint import load_draft_vocab, save_draft_vocab, save_head
 from models.heads import KINDS, EagleHead
@@ -285,15 +285,17 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     train_convs, val_convs, dropped = conversations(target, data)
     head = new_head(target.model, cfg.kind, cfg.draft_vocab, cfg.init_layer, cfg.seed, [c.answer_ids for c in train_convs],
                     cfg.fc_norm)
+    # On resume the checkpoint holds the warm-started weights; checked before the capture's minutes.
+    gained_norms = warm_start(head, target.model, cfg.init_head) if cfg.init_head and not resume else False
     layers = head.feature_layers(target.model.config.get_text_config().num_hidden_layers)
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
     val_paths, cap_val = capture(target, val_convs, layers, data, folder, "val")
     trainset, valset = load_features(train_paths), load_features(val_paths)
     rms = float(trainset.features[:100_000].float().pow(2).mean().sqrt())  # feature scale, for the noise
-    if cfg.init_head and not resume:  # on resume the checkpoint already holds the warm-started weights
+    if gained_norms:
         embedded = target.model.get_input_embeddings()(trainset.tokens[:100_000].to(target.device))
-        warm_start(head, target.model, cfg.init_head, (float(embedded.float().pow(2).mean().sqrt()), rms))
+        start_fc_norm(head, (float(embedded.float().pow(2).mean().sqrt()), rms))
     kept = load_draft_vocab(cfg.init_head, head.config.vocab_size) if cfg.init_head else None
     vocab = draft_vocab(head, [c.answer_ids for c in train_convs], kept)
     run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, vocab)

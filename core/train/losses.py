@@ -66,21 +66,25 @@ def new_head(model, kind: str, draft_vocab: int | None, init_layer: int | None, 
     return head.to(model.get_input_embeddings().weight.device)
 
 
-def warm_start(head: EagleHead, model, source: str, input_rms: tuple[float, float]) -> None:
+def warm_start(head: EagleHead, model, source: str) -> bool:
     """Copy a trained head's weights into `head` (same kind and sizes, checked by the loader), to
-    train it further on more data instead of from scratch. A head gaining fc_norm starts each
-    norm's gain at its input's RMS over the data (`input_rms`: embedding, feature), so that
-    norm(x) = g x / rms(x) ~ x and the warm head drafts as before."""
+    train it further on more data instead of from scratch. Returns whether `head` gained fc_norm,
+    whose gains `start_fc_norm` then sets."""
     trained = load_head(source, model.config, model.get_input_embeddings(), model.get_output_embeddings())
     if replace(trained.config, fc_norm=head.config.fc_norm) != head.config or trained.config.fc_norm > head.config.fc_norm:
         raise HeadMismatchError(f"--init-from {source} is a {trained.config.kind} head of another shape than "
                                 f"the {head.config.kind} head this run trains; pass the same --kind, --draft-vocab and --fc-norm.")
     missing, _ = head.load_state_dict(trained.state_dict(), strict=False)
     assert all(k.startswith("fc_norm.") for k in missing), missing
-    if missing:
-        with torch.no_grad():
-            for norm, rms in zip(head.fc_norm, input_rms):
-                norm.weight.fill_(rms)
+    return bool(missing)
+
+
+@torch.no_grad()
+def start_fc_norm(head: EagleHead, input_rms: tuple[float, float]) -> None:
+    """Each fc_norm gain at its input's RMS over the data (embedding, feature): norm(x) = g x / rms(x)
+    is then ~ x, so a warm head that gained the norms drafts as before."""
+    for norm, rms in zip(head.fc_norm, input_rms):
+        norm.weight.fill_(rms)
 
 
 def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int) -> torch.Tensor:
