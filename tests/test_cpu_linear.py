@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.runtime.cpu_linear import accelerate_cpu
+from core.runtime.cpu_linear import accelerate_cpu, batched_linear_kind
 from models.cpu_quant import OneDnnLinear
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
@@ -46,3 +46,13 @@ def test_quantized_or_gpu_targets_are_left_alone():
     target = tiny_target()
     assert not accelerate_cpu(type(target)(**{**target.__dict__, "quant": "nf4"}))
     assert isinstance(target.model.lm_head, torch.nn.Linear)
+
+
+def test_a_linear_kind_onednn_cannot_serve_is_refused_not_ignored():
+    """--linear on a model oneDNN cannot run (here bf16 weights; on a GPU likewise): auto keeps
+    torch's matmuls, a named kind is a clear error."""
+    model = tiny_llama().to(torch.bfloat16)
+    assert batched_linear_kind(model, "auto", 8) == "default" and batched_linear_kind(model, "default", 8) == "default"
+    with pytest.raises(ValueError, match="--linear bf16"):
+        batched_linear_kind(model, "bf16", 8)
+    assert batched_linear_kind(tiny_llama(), "onednn", 8) == "fp32"
