@@ -27,12 +27,18 @@ from models.target import Target
 BATCHED_KINDS = ("fp32", "bf16x3", "bf16")
 
 
+def onednn_serves(model) -> bool:
+    """Whether oneDNN's linears can stand in for this model's: fp32 on a CPU, with a oneDNN build."""
+    weight = model.get_input_embeddings().weight
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 def linear_seconds(model, rows: int, kinds: tuple[str, ...]) -> dict[str, float]:
     """Seconds of one MLP-shaped matmul at `rows` rows on torch's default GEMM ("default") and on
     oneDNN as each of `kinds`; {} where oneDNN cannot run (not a CPU fp32 model, no oneDNN)."""
     weight = model.get_input_embeddings().weight
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
-            or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if not onednn_serves(model):
         return {}
     dense = torch.nn.Linear(weight.shape[1], 4 * weight.shape[1], bias=False)
     x = torch.randn(rows, 1, weight.shape[1])
@@ -72,7 +78,7 @@ LINEAR_KINDS = dict(zip(LINEARS, ("default", "fp32", "bf16x3", "bf16")))
 def batched_linear_kind(model, name: str, rows: int) -> str:
     """The kind --linear `name` asks for ("auto": fastest_batched_linear's pick); "default" for a
     model oneDNN cannot serve (on a GPU, or quantized)."""
-    if not linear_seconds(model, 1, ()):
+    if not onednn_serves(model):
         if name not in ("auto", "default"):
             raise ValueError(f"--linear {name} runs oneDNN on an unquantized model on a CPU; this one is not.")
         return "default"
