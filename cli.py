@@ -5,6 +5,7 @@ import argparse
 import os
 from pathlib import Path
 
+from core.config import DRAFTERS  # torch-free
 from models.quants import ATTENTIONS, LINEARS, QUANTS  # torch-free
 
 ROOT = Path(__file__).resolve().parent
@@ -50,7 +51,8 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
         p.add_argument("--max-new-tokens", type=positive, default=128, help="tokens generated per prompt and strategy")
         p.add_argument("--context", type=natural, default=0, help="pad each prompt with filler to about this many tokens")
         p.add_argument("--strategies", help="comma-separated subset of plain, hf_generate, hf_prompt_lookup, "
-                       "prompt_lookup, eagle (plain always runs)")
+                       "prompt_lookup, lookahead, layer_skip, eagle (plain always runs; default: all but layer_skip, "
+                       "whose first run measures which layers to skip, about a minute on 2 cores)")
         p.add_argument("--compare-default-tree", action="store_true",
                        help="add eagle_default_tree: EAGLE's published default (60 tokens, depth 6, top_k 10) beside the tuned eagle")
         p.add_argument("--trees", help="add fixed EAGLE shapes, e.g. '0,4,5 2,4,12' (depth,top_k,total_tokens each): a grid in one run")
@@ -58,8 +60,8 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
                        help="also ask a live Aerie server (launch.py --no-browser on a free port, with these model flags) "
                        "for the same answers through its OpenAI API, and print its wall-clock tok/s beside the bench's")
     else:
-        p.add_argument("--strategy", default="auto", choices=["auto", "eagle", "prompt_lookup", "plain"],
-                       help="auto = eagle with a head, prompt lookup without")
+        p.add_argument("--strategy", default="auto", choices=["auto", *DRAFTERS],
+                       help="auto = the tuner's choice (eagle with a head, prompt lookup without); a drafter's name pins it")
         p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
         p.add_argument("--port", type=port_number, default=7860, help="first port to try; the next free one is used if taken")
         p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")

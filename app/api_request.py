@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from core.config import SamplingConfig
+from core.config import DRAFTERS, SamplingConfig
 
 MAX_STOPS = 4              # as OpenAI
 ROLES = ("system", "developer", "user", "assistant")
@@ -22,7 +22,7 @@ SEED_LIMIT = 2**63         # the engine's generator takes a signed 64-bit seed
 NEUTRAL = {"n": 1, "logprobs": False, "top_logprobs": None, "tools": None, "tool_choice": None,
            "functions": None, "function_call": None, "frequency_penalty": 0, "presence_penalty": 0,
            "logit_bias": None}
-STRATEGIES = ("plain", "prompt_lookup", "eagle")  # the drafters a request may ask for by name
+STRATEGIES = DRAFTERS  # the drafters a request may ask for by name
 
 
 class ApiError(Exception):

@@ -21,7 +21,7 @@ import torch
 from core.text import render_prompt
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
-from core.service.factory import EngineSpec, load_tuned, make_drafter, target_load_spec
+from core.service.factory import EngineSpec, layer_skip_drafter, load_tuned, make_drafter, target_load_spec
 from core.served import SERVED, ServedClient, ServedTally
 from core.tune.tuner import Tuner
 from core.tune.turn import TurnLog
@@ -178,11 +178,13 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
     loaded = load_tuned(replace(spec, strategy="eagle" if spec.head else "prompt_lookup"))
     target, tuner = loaded.engine.target, loaded.tuner
     prompts = load_prompts(prompts_path, limit)
-    known = ("plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup") + (("eagle",) if spec.head else ()) + tuple(fixed_trees)
+    known = (("plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup", "lookahead", "layer_skip")
+             + (("eagle",) if spec.head else ()) + tuple(fixed_trees))
     unknown = set(strategies or ()) - set(known)
     if unknown:
         raise ValueError(f"Unknown strategies {', '.join(sorted(unknown))}: choose from {', '.join(known)}.")
-    names = [n for n in known if strategies is None or n in strategies or n == "plain" or n in fixed_trees]
+    asked = strategies if strategies is not None else tuple(n for n in known if n != "layer_skip")
+    names = [n for n in known if n in asked or n == "plain" or n in fixed_trees]
     engines = strategy_engines(loaded, spec, names, fixed_trees)
     # transformers' own generate runs on the model as transformers loads it: on CPU a second, fp32 copy (ours has
     # int4 or oneDNN linears); on CUDA our NF4 model itself (a second copy might not fit; the runner changed only
@@ -221,7 +223,9 @@ def strategy_engines(loaded, spec: EngineSpec, names: list[str], fixed_trees: di
     graphs (run_engine resets it per prompt); fixed shapes draft with the tuned drafter's head and step."""
     target, shared = loaded.engine.target, loaded.engine.runner
     engines = {n: Engine(target, make_drafter(target, replace(spec, strategy=n)), shared)
-               for n in names if n in ("plain", "prompt_lookup")}
+               for n in names if n in ("plain", "prompt_lookup", "lookahead")}
+    if "layer_skip" in names:
+        engines["layer_skip"] = Engine(target, layer_skip_drafter(loaded.engine, loaded.tuner.profile, spec.cache_dir), shared)
     engines.update({n: Engine(target, loaded.engine.drafter.sibling(tree), shared) for n, tree in fixed_trees.items()})
     if "eagle" in names:
         engines["eagle"] = loaded.engine
@@ -287,6 +291,11 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
                              {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens})
             if t.trees:
                 entry["trees_used"] = dict(t.trees.most_common())  # prompts per shape the tuner chose
+        if name == "lookahead":
+            entry["window"] = engines[name].drafter.cfg.label()
+        if name == "layer_skip":
+            drafter = engines[name].drafter
+            entry["skip"] = {"layers": list(drafter.cfg.skip), "depth": drafter.cfg.depth, "chosen": drafter.reason}
         if res.served is not None:
             entry["served"] = res.served.entry(t.tokens / t.seconds)
         out["strategies"][name] = entry

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from models.quants import QUANTS  # noqa: F401  (re-exported for app/, which imports core only)
 
 
+# Every drafter by name (core/spec/), cheapest first: what --strategy, the API's aerie.strategy and the bench accept.
+DRAFTERS = ("plain", "prompt_lookup", "lookahead", "layer_skip", "eagle")
 TUNED = "Aerie: tuned"      # the app's line once its engine runs compiled and its tuner plans (bench --serve waits for it)
 PLANNED_CONTEXT = 8192      # KV tokens the plan keeps room for (or the model's context, if shorter)
 

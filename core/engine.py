@@ -22,7 +22,7 @@ from core.errors import ContextOverflowError, OutOfMemoryError
 from core.spec.sampling import sample, target_probs
 from core.spec.drafters import PlainDrafter
 from core.runtime.runner import RunnerConfig, TargetRunner, Verified
-from core.spec.tree import Draft, DraftTree
+from core.spec.tree import Draft, DraftTree, verify_rows
 from core.spec.verify import Acceptance, accept_greedy, accept_sampled, path_offers, top2_margins
 from models.target import Target
 
@@ -165,7 +165,7 @@ class Engine:
         draft = self.drafter.draft(context, verified)
         tree = draft.tree
         t1 = time.perf_counter()
-        verified = self.verify(tree)
+        verified = self.verify(draft)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to verify; accept syncs anyway
         t2 = time.perf_counter()
@@ -173,14 +173,23 @@ class Engine:
         self.commit(acceptance, tree)
         t3 = time.perf_counter()
         result = StepResult(new_ids=tuple(acceptance.new_tokens), accepted=acceptance.accepted, drafted=tree.max_depth,
-                            tree_size=tree.size, draft_s=t1 - t0, verify_s=t2 - t1, commit_s=t3 - t2,
+                            tree_size=draft.rows, draft_s=t1 - t0, verify_s=t2 - t1, commit_s=t3 - t2,
                             offers=path_offers(tree, acceptance, draft.ranking),
                             near_ties=self.near_ties(None if acceptance.margins is None
                                                      else acceptance.margins[acceptance.nodes], sampling))
         return Round(result, kept(verified, acceptance.nodes))
 
-    def verify(self, tree: DraftTree) -> Verified:
-        return self.runner.verify(tree.tokens, tree.depth, tree.ancestor_mask)
+    def verify(self, draft: Draft | DraftTree) -> Verified:
+        """One target forward over a tree and any side rows -> the tree's rows (N, V) and the
+        target's argmax after each side row the drafter reads."""
+        draft = draft if isinstance(draft, Draft) else Draft(draft)
+        rows = verify_rows(draft)
+        verified = self.runner.verify(rows.tokens, rows.depth, rows.visible, rows.outputs)
+        if draft.side is None:
+            return verified
+        n = draft.tree.size
+        return Verified(verified.logits[:n], None if verified.features is None else verified.features[:n],
+                        verified.logits[n:].argmax(-1))
 
     def accept(self, tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,
                rng: torch.Generator) -> Acceptance:
@@ -215,7 +224,8 @@ class Round:
 def kept(verified: Verified, nodes: torch.Tensor) -> Verified:
     """The rows of the root and the accepted path, in path order."""
     nodes = nodes.to(verified.logits.device)
-    return Verified(verified.logits[nodes], None if verified.features is None else verified.features[nodes])
+    return Verified(verified.logits[nodes], None if verified.features is None else verified.features[nodes],
+                    verified.side_next)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -96,6 +96,7 @@ class RunnerConfig:
 class Verified:
     logits: torch.Tensor                 # (T, V) fp32 target logits after each kept token; (1, V) after a prefill
     features: torch.Tensor | None        # (T, F) the target features the drafter reads, else None
+    side_next: torch.Tensor | None = None  # (R,) the target's argmax after each side row read (tree.SideRows)
 
 
 class TargetRunner:
@@ -159,10 +160,12 @@ class TargetRunner:
         return Verified(logits, torch.cat(features) if self.feature_layers is not None else None)
 
     @torch.inference_mode()
-    def verify(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> Verified:
+    def verify(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor,
+               outputs: torch.Tensor | None = None) -> Verified:
         """tokens (n,) at positions L + depth (n,), visible (n, n) bool (a tree's ancestor mask):
         forwards of the smallest bucket that holds them (a tree beyond the largest bucket goes in
-        chunks of it, each seeing the chunks before); -> logits and features of the n rows."""
+        chunks of it, each seeing the chunks before); -> logits and features of the n rows, or of
+        the rows `outputs` (k,) only, in that order (the LM head runs on those alone)."""
         n, length, largest = tokens.shape[0], self.length, self.buckets[-1]
         padded_n = n if n <= largest else -(-n // largest) * largest
         padded_n = next((b for b in self.buckets if b >= padded_n), padded_n)
@@ -182,10 +185,27 @@ class TargetRunner:
                                        self.mask(seen[lo:hi, :hi], length))
             hidden.append(h)
             features.append(f)
-        hidden = torch.cat(hidden)[:n]                                                                # (n, H)
+        rows = slice(0, n) if outputs is None else outputs.to(self.device)
+        hidden = torch.cat(hidden)[rows]                                                              # (n, H)
         logits = self.target.model.get_output_embeddings()(hidden).float()                            # (n, V)
         self.verified_at, self.length = length, length + padded_n
-        return Verified(logits, None if self.feature_layers is None else torch.cat(features)[:n])  # cat copies
+        return Verified(logits, None if self.feature_layers is None else torch.cat(features)[rows])  # cat copies
+
+    @torch.inference_mode()
+    def side_forward(self, decoder, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                     at: int) -> torch.Tensor:
+        """(1, T) ids at (1, T) positions through `decoder`, a view of the target's decoder over some
+        of its layers (models/layer_view.py), its layers writing KV at rows [at, at+T) and reading
+        what `mask` (1, 1, T, Lk) shows; -> logits (T, V). Nothing is committed: the cache's length
+        goes back to L, and the next verify writes over those rows in every layer."""
+        if at + token_ids.shape[1] > self.capacity:
+            raise ValueError(f"a {token_ids.shape[1]}-token draft at row {at} overflows the {self.capacity}-row cache")
+        set_length(self.cache, at)
+        try:
+            out = decoder(input_ids=token_ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True)
+        finally:
+            set_length(self.cache, self.length)
+        return self.target.model.get_output_embeddings()(out.last_hidden_state[0]).float()
 
     def commit(self, rows: torch.Tensor, tokens: list[int]) -> None:
         """Keep rows `rows` of the last verify (root first; their token ids `tokens`) at [L, L+a)."""

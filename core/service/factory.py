@@ -12,7 +12,7 @@ from typing import Callable
 import psutil
 import torch
 
-from core.config import PLANNED_CONTEXT, TreeConfig
+from core.config import DRAFTERS, PLANNED_CONTEXT, SamplingConfig, TreeConfig
 from core.tune.budget import (GIB, MemoryBudgetError, ModelShape, Placement, largest_tree, plan_placement,
                               target_kv_per_token, tree_bytes)
 from core.runtime.cpu_linear import accelerate_cpu
@@ -20,6 +20,8 @@ from core.service.warmup import Pending
 from core.runtime.graphs import GraphJob, build, compiled_all
 from core.spec.drafters import PlainDrafter, PromptLookupDrafter
 from core.spec.eagle import EagleDrafter
+from core.spec.layer_skip import LayerSkipDrafter
+from core.spec.lookahead import LookaheadConfig, LookaheadDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
@@ -27,7 +29,10 @@ from core.tune.kernels import (WIDE_ROWS, KernelChoice, TargetKernel, TreeKernel
                                cached_choice, choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
                                head_weights_here, kernel_edges, load_kernel, machine_key, rows_alone, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
-from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile, profile_key,
+from core.files import stored
+from core.text import render_prompt
+from core.tune.skip import SkipChoice, choose_skip
+from core.tune.latency import (LARGE_SIZES, SIZES, LatencyProfile, cached_profile, head_identity, measure_profile, profile_key,
                                profile_mismatch)
 from core.tune.remembered import acceptance_path, keep, recall
 from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
@@ -40,7 +45,7 @@ from models.heads import build_head
 from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
-STRATEGIES = ("auto", "eagle", "prompt_lookup", "plain")
+STRATEGIES = ("auto", *DRAFTERS)
 GRAPHS_VERSION = 4   # 4: inductor kernels single-threaded (core/runtime/graphs.py ONE_THREAD)
 
 
@@ -70,6 +75,11 @@ DEFAULT_TREES = {"cpu": TreeConfig(depth=0, top_k=4, total_tokens=5), "cuda": Tr
 
 def default_tree(device: torch.device) -> TreeConfig:
     return DEFAULT_TREES.get(device.type, DEFAULT_TREES["cpu"])
+
+
+# Lookahead's window per device. On a GPU the paper's 7B setting (W 7, N 5, G 7: 56 rows a verify, which
+# cost about one token's there); on the 2-core CPU, where 8 rows cost 1.6 one-token verifies, the smallest window.
+LOOKAHEADS = {"cpu": LookaheadConfig(window=2, ngram=3, guesses=1), "cuda": LookaheadConfig(window=7, ngram=5, guesses=7)}
 
 
 @dataclass(frozen=True)
@@ -142,7 +152,8 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: 
     kernels = cpu_kernels(target, spec, strategy, report, prefills, asked) if target.quant in CPU_QUANTS else None
     rows = asked or (spec.attention == "auto" and kernels is not None and rows_alone(kernels)
                      and row_attention(target, spec.cache_dir, report))
-    drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter()}
+    drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter(),
+                "lookahead": LookaheadDrafter(LOOKAHEADS.get(target.device.type, LOOKAHEADS["cpu"]))}
     if strategy == "eagle":
         drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), kernels.head if kernels else "int8")
     # oneDNN's prepacked fp32 linears compiled through MKL instead ran slower than eager oneDNN (25 vs
@@ -206,6 +217,8 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
         path = acceptance_path(spec.cache_dir, {"model": str(target.model.config.name_or_path), "quant": target.quant,
                                                 "head": head_identity(spec.head)})
         acceptance, keeper = recall(path, acceptance.prior), functools.partial(keep, path)
+    if spec.strategy == "layer_skip":   # measured on first use only: a minute on 2 cores for the embedded model
+        drafters["layer_skip"] = layer_skip_drafter(engine, profile, spec.cache_dir)
     tuner = Tuner(profile, acceptance, pins, drafters, max_size=max_size, keep=keeper)
     return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, kernels)
 
@@ -335,12 +348,46 @@ def gpu_free(device: torch.device, probe: Probe | None) -> int:
     return gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
 
 
+# Questions the target answers greedily to measure which layers a self-speculative draft may skip (core/tune/skip.py):
+# everyday chat, apart from the benchmark's prompts.
+CALIBRATION = ("Explain how a refrigerator keeps food cold.",
+               "Write a short note inviting a neighbour to dinner on Friday.",
+               "What should I pack for a weekend of hiking in the mountains?")
+CALIBRATION_TOKENS = 64
+SKIP_VERSION = 1
+
+
+def layer_skip_drafter(engine: Engine, profile: LatencyProfile, cache_dir: Path) -> LayerSkipDrafter:
+    """The self-speculative drafter on `engine`'s runner, skipping the layers measured fastest for
+    this model on this machine (core/tune/skip.py; measured once, then cached)."""
+    target = engine.target
+    key = {"skip_version": SKIP_VERSION, **machine_key(), "model": str(target.model.config.name_or_path),
+           "quant": target.quant, "dtype": str(target.dtype), "buckets": list(engine.runner.buckets)}
+
+    def measure() -> SkipChoice:
+        calibration = []
+        for question in CALIBRATION:
+            ids = render_prompt(target.tokenizer, [{"role": "user", "content": question}])
+            plain = Engine(target, PlainDrafter(), engine.runner)
+            answer = [t for step in plain.generate(ids, SamplingConfig(max_new_tokens=CALIBRATION_TOKENS)) for t in step.new_ids]
+            calibration.append((ids + answer, len(ids) - 1))
+        engine.reset()
+        return choose_skip(engine.runner, profile, calibration)
+
+    choice, _ = stored(cache_dir / "skip", key, measure, SkipChoice.to_json, SkipChoice.from_json)
+    return LayerSkipDrafter(engine.runner, choice.config, choice.describe())
+
+
 def make_drafter(target: Target, spec: EngineSpec, head_weights: str = "int8"):
     strategy = resolved_strategy(spec)
     if strategy == "plain":
         return PlainDrafter()
     if strategy == "prompt_lookup":
         return PromptLookupDrafter()
+    if strategy == "lookahead":
+        return LookaheadDrafter(LOOKAHEADS.get(target.device.type, LOOKAHEADS["cpu"]))
+    if strategy == "layer_skip":
+        raise UnsupportedModelError("A layer-skip drafter is measured on a loaded engine: core/service/factory.py layer_skip_drafter.")
     if not spec.head:
         raise UnsupportedModelError("The eagle strategy needs a head: pass --head (a Hub id, a folder, or 'random').")
     head = load_eagle_head(target, spec.head, spec.allow_pickle, spec.cache_dir)

@@ -42,12 +42,58 @@ class DraftTree:
 
 
 @dataclass(frozen=True)
+class SideRows:
+    """Rows a drafter adds to a verify beside its tree (Lookahead's Jacobi window, M rows): the
+    target computes them in the same forward, never accepts them and never keeps their KV. Each
+    sees the committed prefix, the root and the side rows `visible` marks; no tree node sees them.
+    The drafter reads the target's argmax after the rows in `read` (Verified.side_next)."""
+    tokens: Tensor    # (M,) int64
+    depth: Tensor     # (M,) int64 >= 1: row m sits at position L + depth[m], the root at L
+    visible: Tensor   # (M, M) bool: [m, j] iff side row m sees side row j (itself included)
+    read: Tensor      # (R,) int64 side rows whose next-token argmax the drafter reads
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass(frozen=True)
 class Draft:
     """What a drafter proposes for a round: the tree to verify and, for the tuner's acceptance
     model, the root's best candidates as target ids (R,), best first, tree or not; None where the
-    drafter ranks none (verify.path_offers)."""
+    drafter ranks none (verify.path_offers); and any side rows to ride in the same forward."""
     tree: DraftTree
     ranking: Tensor | None = None
+    side: SideRows | None = None
+
+    @property
+    def rows(self) -> int:
+        """Tokens the target verifies: the tree's and the side rows'."""
+        return self.tree.size + (self.side.size if self.side is not None else 0)
+
+
+@dataclass(frozen=True)
+class VerifyRows:
+    """One verify's input: tree nodes first (N), then side rows (M)."""
+    tokens: Tensor    # (N+M,) int64
+    depth: Tensor     # (N+M,) int64 positions after the root
+    visible: Tensor   # (N+M, N+M) bool
+    outputs: Tensor | None  # (N+R,) rows whose outputs are read, tree first; None: all N (no side rows)
+
+
+def verify_rows(draft: Draft) -> VerifyRows:
+    """The rows one target forward computes for `draft`: its tree's nodes, each seeing only its
+    ancestors, then its side rows, each seeing the root and the side rows it marks."""
+    tree, side = draft.tree, draft.side
+    if side is None:
+        return VerifyRows(tree.tokens, tree.depth, tree.ancestor_mask, None)
+    n, m = tree.size, side.size
+    visible = torch.zeros(n + m, n + m, dtype=torch.bool)
+    visible[:n, :n] = tree.ancestor_mask
+    visible[n:, 0] = True                                        # every side row sees the root
+    visible[n:, n:] = side.visible
+    outputs = torch.cat([torch.arange(n), n + side.read])
+    return VerifyRows(torch.cat([tree.tokens, side.tokens]), torch.cat([tree.depth, side.depth]), visible, outputs)
 
 
 def make_tree(tokens: Tensor | Sequence[int], parents: Tensor | Sequence[int]) -> DraftTree:

@@ -23,7 +23,6 @@ Each choice timed the way a chat runs it, never taken from a table:
 """
 
 import hashlib
-import json
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from core.files import write_whole
+from core.files import stored
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.tree import chain_tree
 from models import amx, q4_rows
@@ -124,17 +123,7 @@ def read_cpuinfo() -> str:
 
 def cached_choice(cache_dir: Path, key: dict, measure) -> tuple[KernelChoice, bool]:
     """The choice stored for `key`, or `measure()` stored now; -> (choice, whether it was cached)."""
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir / "kernels" / f"{digest}.json"
-    if path.is_file():
-        try:
-            return KernelChoice.from_dict(json.loads(path.read_text())["choice"]), True
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            print(f"Aerie: re-measuring kernels: {path} is unreadable ({e}).", flush=True)
-    choice = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(path, json.dumps({"key": key, "choice": asdict(choice)}, indent=1).encode())
-    return choice, False
+    return stored(cache_dir / "kernels", key, measure, asdict, KernelChoice.from_dict)
 
 
 def int4_layers(target: Target, decoder_only: bool = False) -> list[Int4Linear]:

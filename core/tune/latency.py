@@ -12,7 +12,6 @@ divides by it. A profile is cached as JSON per (model, quantization, device, ker
 """
 
 import hashlib
-import json
 import platform
 import time
 from dataclasses import asdict, dataclass, replace
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 from core.config import SamplingConfig, TreeConfig
-from core.files import write_whole
+from core.files import stored
 from core.spec.eagle import EagleDrafter
 from core.spec.tree import chain_tree, rerank
 
@@ -124,23 +123,8 @@ def cached_profile(cache_dir: Path, key: dict, measure, check=None) -> tuple[Lat
     """The profile stored for `key`, or `measure()` stored now; -> (profile, whether it was cached).
     With `check` (profile -> why it no longer fits this machine, or None), a stored profile that
     fails it is measured again: one timed in a busy minute would steer the tuner for good."""
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir / "profiles" / f"{digest}.json"
-    if path.is_file():
-        try:
-            stored = LatencyProfile.from_json(json.loads(path.read_text())["profile"])
-            why = check(stored) if check is not None else None
-            if why is None:
-                return stored, True
-            print(f"Aerie: re-timing this machine for the tuner: {why}.", flush=True)
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            print(f"Aerie: re-measuring: the stored profile {path} is unreadable ({e}).", flush=True)
-    else:
-        print("Aerie: timing this machine for the draft-tree tuner (once; cached for later starts)...", flush=True)
-    profile = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(path, json.dumps({"key": key, "profile": profile.to_json()}, indent=1).encode())
-    return profile, False
+    return stored(cache_dir / "profiles", key, measure, LatencyProfile.to_json, LatencyProfile.from_json, check,
+                  "Aerie: timing this machine for the draft-tree tuner (once; cached for later starts)...")
 
 
 CHECK_SIZES = (1, 2, 4)    # the trees a CPU's tuner picks most: what a stored profile must still get right

@@ -45,13 +45,14 @@ DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
 SLOWER_THAN_PLAIN = 1.0             # a turn measured below this leaves its rung at once
 PROBE_EVERY = 8                     # measured turns on a lower rung before one turn tries the rung above
 MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
-LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt lookup", "plain": "plain decoding"}
+LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt lookup", "lookahead": "lookahead",
+          "layer_skip": "layer skip", "plain": "plain decoding"}
 
 
 @dataclass(frozen=True)
 class Pins:
     """What the user fixed on the command line; None leaves it to the tuner."""
-    strategy: str | None = None       # eagle, prompt_lookup or plain
+    strategy: str | None = None       # a drafter's name (core.config.DRAFTERS)
     depth: int | None = None
     top_k: int | None = None
     total_tokens: int | None = None
@@ -226,7 +227,7 @@ class Tuner:
         self.drafters = drafters
         rungs = ["tree", "chain", "prompt_lookup", "plain"] if "eagle" in drafters else ["prompt_lookup", "plain"]
         if pins.strategy is not None:
-            rungs = {"eagle": ["tree"], "prompt_lookup": ["prompt_lookup"], "plain": ["plain"]}[pins.strategy]
+            rungs = ["tree"] if pins.strategy == "eagle" else [pins.strategy]
         if pins.top_k == 1 and rungs[0] == "tree":
             rungs = ["chain", *rungs[1:]]   # a pinned width of 1 is a chain: the tree rung would repeat it
         rungs = list(dict.fromkeys(rungs))
