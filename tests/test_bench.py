@@ -18,7 +18,7 @@ def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
                    fixed_trees={"eagle_default_tree": TreeConfig(6, 10, 60)})
     assert report["prompts"] == 3 and report["model"] == tiny_dir.name
     s = report["strategies"]
-    assert set(s) == {"plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup", "eagle", "eagle_default_tree"}
+    assert set(s) == {"plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup", "lookahead", "eagle", "eagle_default_tree"}
     assert s["eagle_default_tree"]["tree"] == {"depth": 6, "top_k": 10, "total_tokens": 60}
     assert s["eagle"]["trees_used"] == {"d2k3n6": 3}  # the tuner kept the pinned shape for every prompt
     assert "depth 2, top-k 3, 6 tokens" in s["eagle"]["plan"]
@@ -29,6 +29,19 @@ def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
     assert s["eagle"]["accept_rate"] is not None and "speedup_vs_hf" in s["eagle"]
     assert json.loads(json.dumps(report))["strategies"].keys() == s.keys()  # launch.py prints it as one JSON line
     assert "category" in capsys.readouterr().out  # the per-category table
+
+
+def test_bench_races_the_weightless_rivals(tiny_dir, cache_dir):
+    """Lookahead and layer skip in one table beside plain, lossless; layer skip's measured choice reported."""
+    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, compile=False)
+    report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=2, max_new=8,
+                   strategies=("lookahead", "layer_skip"))
+    s = report["strategies"]
+    assert set(s) == {"plain", "lookahead", "layer_skip"} and all(e["lossless"] for e in s.values())
+    assert s["lookahead"]["window"] == "W2N3G1"
+    skip = s["layer_skip"]["skip"]
+    assert skip["layers"] and skip["depth"] >= 1 and "predicted" in skip["chosen"]
+    assert set(s["layer_skip"]["round_ms"]) == {"draft", "verify", "commit"}
 
 
 def test_bench_refuses_unknown_strategies(tiny_dir, cache_dir):
