@@ -10,6 +10,7 @@ The text is all that goes back to the model and into exports. "meta" is saved wi
     drafted  [start, end) character ranges of the text that accepted draft tokens wrote
     request  the system prompt, sampling settings and stop strings it was asked with (for A/B)
     ab       its comparison with plain decoding (app/compare.py), once asked for
+    race     its question asked again of every drafter at temperature 0 (app/race.py), once asked for
 
 The Chatbot shows each such answer followed by a collapsed row with its statistics, then its A/B
 comparison. Both are Gradio "thought" rows (metadata with a title): drawn as accordions inside
@@ -27,7 +28,8 @@ FINISH_LABELS = {"stop": "stop string", "length": "max tokens reached", "cancell
                  INTERRUPTED: "interrupted"}
 # The drafters' names (core's ReplyStats.strategy, the last part of the service's label) as the
 # page shows them: the one place they are worded for people.
-STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "eagle": "EAGLE head"}
+STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "lookahead": "lookahead",
+                   "layer_skip": "layer skip", "eagle": "EAGLE head"}
 # Highlighting draws the answer as escaped text on one line (newlines as <br>): Markdown would
 # break a <mark> that spans two paragraphs or sits in a code block, and a one-line HTML block is
 # passed through Markdown untouched. Gradio's sanitiser keeps <div>, <mark>, <br> and class.
@@ -157,6 +159,8 @@ def view(chat: list[dict], highlight: bool = False) -> list[dict]:
         shown.append(stats_row(meta, text))
         if meta.get("ab"):
             shown.append(ab_row(meta, text))
+        if meta.get("race"):
+            shown.append(race_row(meta["race"]))
     return shown
 
 
@@ -247,3 +251,54 @@ def ab_record(plain: Answer, request: Request) -> dict:
     """What meta["ab"] keeps of the plain run."""
     return {"stats": asdict(plain.stats), "text": plain.text, "finish": plain.finish,
             "greedy": request.sampling.greedy}
+
+
+# ---------------------------------------------------------------- the race of every drafter
+
+BAR = 24   # characters of the fastest run's bar
+
+
+def race_record(runs: list[tuple[str, Answer]]) -> dict:
+    """What meta["race"] keeps: per drafter (plain first) its stats, how it ended, and whether its
+    text is plain decoding's (greedy: it must be), else where it first differs."""
+    plain = runs[0][1].text
+    return {"runs": [{"strategy": name, "stats": asdict(run.stats) if run.stats else None, "finish": run.finish,
+                      "difference": first_difference(run.text, plain)} for name, run in runs]}
+
+
+def race_table(runs: list[dict]) -> str:
+    """The runs as a Markdown table with a bar per speed: tok/s from the prompt to the last token."""
+    speeds = [stats_of(run).tok_s if run["stats"] else 0.0 for run in runs]
+    fastest, plain = max(speeds) or 1.0, speeds[0] or None
+    lines = ["| drafter | speed | tok/s | × plain | accepted length | identical text |", "|---|---|---:|---:|---:|---|"]
+    for run, speed in zip(runs, speeds):
+        stats = stats_of(run) if run["stats"] else None
+        bar = "█" * max(1, round(BAR * speed / fastest)) if speed else ""
+        same = "yes" if run["difference"] is None else f"no (from character {run['difference']})"
+        ratio = f"{speed / plain:.2f}×" if plain else "—"
+        lines.append(f"| {strategy_label(run['strategy'])} | `{bar}` | {speed:.1f} | {ratio} | "
+                     f"{stats.accept_len if stats else 0:.2f} | {same} |")
+    return "\n".join(lines)
+
+
+def race_row(race: dict) -> dict:
+    """The race under the answer: the winner in the title, every drafter's speed in the body."""
+    runs = race["runs"]
+    speeds = {run["strategy"]: stats_of(run).tok_s for run in runs if run["stats"]}
+    best = max(speeds, key=speeds.get) if speeds else "plain"
+    plain = speeds.get("plain") or None
+    ratio = f" ({speeds[best] / plain:.2f}× plain)" if plain and best in speeds else ""
+    same = all(run["difference"] is None for run in runs)
+    title = (f"Race of {len(runs)} drafters: fastest {strategy_label(best)}{ratio} · identical text: "
+             f"{'all' if same else 'no'}")
+    note = ("Each drafter answered the same question at temperature 0, one after another on this machine. "
+            + ("Every text is plain decoding's, as speculation promises." if same else
+               "A text that differs parted at a near-tie: verifying many tokens at once can round differently."))
+    return thought(title, race_table(runs) + "\n\n" + note)
+
+
+def race_running_row(done: list[tuple[str, Answer]], running: str, current: Answer, total: int) -> dict:
+    """The race while it runs: the finished drafters' table so far, and the one answering now."""
+    progress = f": {current.stats.new_tokens} tokens, {current.stats.tok_s:.1f} tok/s" if current.stats else "…"
+    body = race_table(race_record(done)["runs"]) if done else "…"
+    return thought(f"Race: {strategy_label(running)} answering ({len(done) + 1} of {total}){progress}", body, "pending")

@@ -21,31 +21,31 @@ from core.service.contract import ChatServiceApi
 ACTION = "compare with plain decoding"
 
 
-def _why_not(chat: Chat) -> str | None:
-    """Why the chat's last message cannot be compared, or None if it can."""
+def _why_not(chat: Chat, verb: str) -> str | None:
+    """Why the chat's last message cannot be compared (or raced: `verb`), or None if it can."""
     last = chat[-1] if chat else {}
     meta = last.get("meta") or {}
     if last.get("role") != "assistant":
-        return "The last message has no answer to compare: send or regenerate one first."
+        return f"The last message has no answer to {verb}: send or regenerate one first."
     if meta.get("stats") is None or "request" not in meta:
-        return "This answer was saved before Aerie kept answer statistics: regenerate it, then compare."
+        return f"This answer was saved before Aerie kept answer statistics: regenerate it, then {verb}."
     if meta.get("finish") in (None, "cancelled", answers.INTERRUPTED):
-        return "The last answer was stopped before it ended: regenerate it, then compare."
+        return f"The last answer was stopped before it ended: regenerate it, then {verb}."
     return None
 
 
-def _last_answer(store: ChatStore, chat_id: int | None) -> tuple[Chat, Request] | None:
-    """The chat whose last answer is to be compared, and what that answer was asked with; None
-    (after telling the user why) when there is none."""
+def last_answer(store: ChatStore, chat_id: int | None, verb: str = "compare") -> tuple[Chat, Request] | None:
+    """The chat whose last answer is to be compared (or raced), and what that answer was asked
+    with; None (after telling the user why) when there is none."""
     if chat_id is None:
-        handlers.toast("info", "There is no answer to compare yet: send a message first.")
+        handlers.toast("info", f"There is no answer to {verb} yet: send a message first.")
         return None
     try:
         chat = stored_chat(store, chat_id)
     except StoreError as exc:
-        handlers.report(exc, ACTION)
+        handlers.report(exc, ACTION if verb == "compare" else verb)
         return None
-    why = _why_not(chat)
+    why = _why_not(chat, verb)
     if why:
         handlers.toast("info", why)
         return None
@@ -64,14 +64,14 @@ def _plain_run(service: ChatServiceApi, cancels: Cancels, cancel, chat: Chat, as
             yield plain, shown + [answers.ab_running_row(plain)], answers.format_stats(plain.stats, event.finish)
 
 
-def _saved(store: ChatStore, chat_id: int, chat: Chat, plain: Answer, asked: Request) -> Chat:
-    """The chat with the comparison in its last answer's meta, saved."""
-    last = {**chat[-1], "meta": {**chat[-1]["meta"], "ab": answers.ab_record(plain, asked)}}
+def saved(store: ChatStore, chat_id: int, chat: Chat, key: str, record: dict, what: str) -> Chat:
+    """The chat with `record` under `key` in its last answer's meta, saved (`what` names it in an error)."""
+    last = {**chat[-1], "meta": {**chat[-1]["meta"], key: record}}
     chat = chat[:-1] + [last]
     try:
         store.sync(chat_id, chat)
     except StoreError as exc:
-        handlers.report(exc, "save the comparison")
+        handlers.report(exc, f"save the {what}")
     return chat
 
 
@@ -79,7 +79,7 @@ def compare(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id
             request: gr.Request | None = None) -> Iterator[tuple]:
     """A/B of the chat's last answer; yields (chatbot, stats line). Stop or a failure leaves the
     chat as it was: a half-finished plain run compares nothing."""
-    found = _last_answer(store, chat_id)
+    found = last_answer(store, chat_id)
     if found is None:
         yield gr.skip(), gr.skip()
         return
@@ -104,5 +104,5 @@ def compare(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id
             handlers.toast("info", "A/B stopped before plain decoding finished: nothing was compared.")
         yield shown, ""
         return
-    chat = _saved(store, chat_id, chat, plain, asked)
+    chat = saved(store, chat_id, chat, "ab", answers.ab_record(plain, asked), "comparison")
     yield answers.view(chat, highlight), answers.ab_verdict(chat[-1]["meta"], chat[-1]["content"])

@@ -197,13 +197,14 @@ def report(exc: Exception, what: str) -> None:
 
 
 def controls(mode: str, clear_textbox: bool = False) -> tuple[dict, ...]:
-    """Updates for (textbox, send, stop, regenerate, load, A/B) in a mode: idle, answering or loading."""
+    """Updates for (textbox, send, stop, regenerate, load, A/B, race) in a mode: idle, answering or loading."""
     idle, answering = mode == "idle", mode == "answering"
     textbox = gr.update(interactive=idle, value="") if clear_textbox else gr.update(interactive=idle)
     return (
         textbox,
         gr.update(interactive=idle, visible=not answering),
         gr.update(visible=answering),
+        gr.update(interactive=idle),
         gr.update(interactive=idle),
         gr.update(interactive=idle),
         gr.update(interactive=idle),

@@ -17,7 +17,7 @@ from typing import Any
 
 import gradio as gr
 
-from app import chats, compare, handlers, model_panel, monitor, saved_settings
+from app import chats, compare, handlers, model_panel, monitor, race, saved_settings
 from app.private import private_temp_dir
 from app.store import ChatStore
 from core.config import SamplingConfig
@@ -141,11 +141,12 @@ def _chat_panel() -> SimpleNamespace:
         stop = gr.Button("Stop", variant="stop", scale=1, min_width=90, visible=False)
         regen = gr.Button("Regenerate", scale=1, min_width=110)
         ab = gr.Button("A/B vs plain", scale=1, min_width=140, elem_id="aerie-ab")
+        racing = gr.Button("Race drafters", scale=1, min_width=140, elem_id="aerie-race")
     highlight = gr.Checkbox(False, label="Highlight drafted tokens", container=False, elem_id="aerie-highlight",
                             info="Marks the text of draft tokens the model accepted (shows answers as raw text)")
     pending = gr.Textbox(visible=False)  # the message on its way from the textbox to respond
     return SimpleNamespace(chatbot=chatbot, stats=stats, textbox=textbox, send=send, stop=stop,
-                           regen=regen, ab=ab, highlight=highlight, pending=pending)
+                           regen=regen, ab=ab, race=racing, highlight=highlight, pending=pending)
 
 
 def _chats_panel() -> SimpleNamespace:
@@ -187,7 +188,7 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
     c.export_json.click(bind(chats.export, store, exports, "json"), inputs=c.list, outputs=c.exported, **private)
     c.export_md.click(bind(chats.export, store, exports, "markdown"), inputs=c.list, outputs=c.exported, **private)
     quick = {"queue": False, **private}
-    gr.on([p.textbox.submit, p.send.click, p.regen.click, p.ab.click], lambda: chats.controls("answering"),
+    gr.on([p.textbox.submit, p.send.click, p.regen.click, p.ab.click, p.race.click], lambda: chats.controls("answering"),
           outputs=c.lock, **quick)
     for answer in answers:
         answer.then(lambda: chats.controls("idle"), outputs=c.lock, **quick)
@@ -198,8 +199,8 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
 
 
 def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, p: SimpleNamespace) -> list:
-    """The chat and model events; returns the answer events (respond, regenerate, A/B)."""
-    lock = [p.textbox, p.send, p.stop, p.regen, p.load, p.ab]  # the order of handlers.controls
+    """The chat and model events; returns the answer events (respond, regenerate, A/B, race)."""
+    lock = [p.textbox, p.send, p.stop, p.regen, p.load, p.ab, p.race]  # the order of handlers.controls
     quick = {"queue": False, "api_visibility": "private"}
     answer = {"outputs": [p.chatbot, p.stats, p.chats.list, p.chats.title], "concurrency_id": ENGINE,
               "concurrency_limit": 1, "show_progress": "minimal", "show_progress_on": p.chatbot}
@@ -222,27 +223,31 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
                     ).then(bind(compare.compare, store, service, cancels), inputs=[p.chats.list, p.highlight],
                            api_name="ab", **{**answer, "outputs": [p.chatbot, p.stats]})
     ab.then(unlock, outputs=lock, **quick)
+    raced = p.race.click(lambda: handlers.controls("answering"), outputs=lock, **quick
+                         ).then(bind(race.race, store, service, cancels), inputs=[p.chats.list, p.highlight],
+                                api_name="race", **{**answer, "outputs": [p.chatbot, p.stats]})
+    raced.then(unlock, outputs=lock, **quick)
     p.stop.click(bind(handlers.stop, cancels), api_name="stop", queue=False)
     # The chatbot's own trash button: stop the answer too, and drop its remaining updates.
     p.chatbot.clear(bind(handlers.clear, cancels), outputs=[p.chatbot, p.stats, *lock],
-                    cancels=[respond, regenerate, ab], api_name="clear", queue=False)
+                    cancels=[respond, regenerate, ab, raced], api_name="clear", queue=False)
     _wire_load(service, p)
-    return [respond, regenerate, ab]
+    return [respond, regenerate, ab, raced]
 
 
 def _wire_load(service: ChatServiceApi, p: SimpleNamespace) -> None:
     """Load model: the chat's controls locked while it loads, Cancel shown instead of Load."""
     quick = {"queue": False, "api_visibility": "private"}
     system = p.settings[0]
-    buttons = [p.textbox, p.send, p.stop, p.regen, p.ab, p.load, p.cancel_load]
+    buttons = [p.textbox, p.send, p.stop, p.regen, p.ab, p.race, p.load, p.cancel_load]
 
     def loading():
         locked = handlers.controls("loading")
-        return (*locked[:4], locked[5], *model_panel.begin_load())
+        return (*locked[:4], *locked[5:], *model_panel.begin_load())
 
     def loaded():
         idle = handlers.controls("idle")
-        return (*idle[:4], idle[5], gr.update(visible=True, interactive=True), gr.update(visible=False))
+        return (*idle[:4], *idle[5:], gr.update(visible=True, interactive=True), gr.update(visible=False))
 
     p.load.click(loading, outputs=buttons, **quick
                  ).then(bind(model_panel.load_model, service, p.loads), inputs=[p.model, p.head, p.quant, system],

@@ -27,6 +27,7 @@ class FakeService:
         self.words, self.fail_at, self.error, self.delay, self.notice = words, fail_at, error, delay, notice
         self.label = "Fake-1B · cpu · fp32 · plain decoding"
         self.default_system_prompt = "You are kind."
+        self.drafters = ("plain", "prompt_lookup", "eagle")
         self.calls = []
         self.finish = None
 

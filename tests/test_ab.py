@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from app import chats, compare
+from app import chats, compare, race
 from app.handlers import Cancels
 from app.store import ChatStore
 from core.service.chat import ChatService
@@ -102,3 +102,20 @@ def test_ab_button_on_the_real_model_says_identical(loaded, tmp_path):
     answer_meta = store.messages(chat.id)[1].meta
     assert answer_meta["ab"]["text"] == store.messages(chat.id)[1].content
     assert answer_meta["ab"]["stats"]["strategy"] == "plain" and shown[-1]["metadata"]["title"] == line
+
+
+def test_race_runs_every_drafter_and_each_says_plain_decodings_text(loaded, tmp_path):
+    service = ChatService(loaded.engine, tuner=loaded.tuner, cache_dir=tmp_path / "cache")
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    assert service.drafters == ("plain", "prompt_lookup", "lookahead", "layer_skip", "eagle")
+    settings = ("", 0.8, 1.0, 0, 7, 24, "")   # sampled: the race still runs at temperature 0
+    list(chats.respond(store, service, Cancels(), None, "Race me", [], *settings, request=session()))
+    (chat,) = store.chats()
+    turns = len(loaded.tuner.turns)
+    shown, line = list(race.race(store, service, Cancels(), chat.id, False, request=session()))[-1]
+    runs = store.messages(chat.id)[1].meta["race"]["runs"]
+    assert [r["strategy"] for r in runs] == list(service.drafters)
+    assert all(r["difference"] is None and r["stats"]["new_tokens"] > 0 for r in runs)
+    assert line.startswith("Race of 5 drafters: fastest ") and line.endswith("identical text: all")
+    assert shown[-1]["metadata"]["title"] == line and "| layer skip |" in shown[-1]["content"]
+    assert len(loaded.tuner.turns) == turns and loaded.engine.drafter is loaded.tuner.drafters["eagle"]

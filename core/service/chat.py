@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
-from core.config import TUNED, ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
+from core.config import DRAFTERS, TUNED, ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import AerieError, ModelLoadError, StrategyUnavailableError
-from core.service.factory import tune
+from core.service.factory import layer_skip_drafter, tune
 from core.service.switching import SwitchReport, fetch, process_bytes, release
 from core.service.warmup import Pending, Warmup
 from core.service.worker import Worker
@@ -204,12 +204,30 @@ class ChatService:
         stats = ReplyStats(strategy=self.engine.drafter.name, prompt_tokens=prompt_len, tuning=reason)
         return TurnLog.start(stats, self.tuner, counted=False)
 
-    def _drafter(self, strategy: str):
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """Every drafter an answer may ask for (`reply`'s strategy), in core.config.DRAFTERS order:
+        the loaded ones, and layer skip once a tuner has timed the machine (its skipped layers are
+        measured on first use, about a minute on 2 cores, then cached)."""
+        names = set(self._loaded_drafters())
+        if self.tuner is not None and self.cache_dir is not None:
+            names.add("layer_skip")
+        return tuple(name for name in DRAFTERS if name in names)
+
+    def _loaded_drafters(self) -> dict:
         drafters = dict(self.tuner.drafters if self.tuner else self.warmup.staged.drafters if self.warmup
                         else {"plain": PlainDrafter()})
         drafters.setdefault(self.engine.drafter.name, self.engine.drafter)
+        return drafters
+
+    def _drafter(self, strategy: str):
+        """On the worker: the drafter `strategy` names; a layer-skip one is built on first use."""
+        drafters = self._loaded_drafters()
+        if strategy == "layer_skip" and strategy not in drafters and strategy in self.drafters:
+            self.tuner.drafters["layer_skip"] = layer_skip_drafter(self.engine, self.tuner.profile, self.cache_dir)
+            return self.tuner.drafters["layer_skip"]
         if strategy not in drafters:
-            raise StrategyUnavailableError(f"This model cannot decode with '{strategy}'; it has {', '.join(drafters)}.")
+            raise StrategyUnavailableError(f"This model cannot decode with '{strategy}'; it has {', '.join(self.drafters)}.")
         return drafters[strategy]
 
     def monitor(self) -> Snapshot:

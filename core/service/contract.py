@@ -26,6 +26,9 @@ class ChatServiceApi(Protocol):
     @property
     def tuning(self) -> str: ...           # what the tuner would choose for a new chat, and why
 
+    @property
+    def drafters(self) -> tuple[str, ...]: ...   # the drafters `reply(strategy=...)` can run, cheapest first
+
     def reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
               stop_strings: tuple[str, ...], cancel: threading.Event,
               strategy: str | None = None) -> Iterator[ReplyEvent]: ...
