@@ -293,6 +293,32 @@ def test_a_pinned_strategy_is_never_demoted():
     assert tuner(pins=Pins(static=static)).plan(100).tree == static
 
 
+def test_a_rival_measured_faster_than_the_ladders_plan_is_chosen_and_its_slow_answers_end_that():
+    t = tuner(alphas=(0.01,))                      # EAGLE hopeless: the ladder plans prompt lookup
+    t.drafters["lookahead"] = None
+    assert t.plan(100).rung == "prompt_lookup"
+    slow_turn(t, 1.01, "lookahead")                # measured, but under DEMOTE_BELOW: not worth it
+    assert t.plan(100).rung == "prompt_lookup"
+    t.record(Turn("lookahead", 64, 64 * t.profile.plain_ms(100) / 1000 / 1.6, t.profile.plain_ms(100)))  # a race
+    plan = t.plan(100)
+    assert plan.rung == "lookahead" and plan.tree is None and "measured 1.31x plain over its last 2" in plan.reason
+    assert t.rung == 0 and "layer_skip" not in t.heard   # a rival's turns never move the ladder
+    for _ in range(3):
+        slow_turn(t, 0.6, "lookahead")
+    assert t.plan(100).rung == "prompt_lookup"     # its own slow answers pulled its mean under
+    assert tuner(pins=Pins(strategy="lookahead")).plan(100).rung == "lookahead"
+
+
+def test_a_rival_must_beat_eagles_prediction():
+    t = tuner()
+    t.drafters["layer_skip"] = None
+    slow_turn(t, 1.1, "layer_skip")
+    plan = t.plan(100)
+    assert plan.rung == "tree" and plan.predicted > 1.1
+    t.record(Turn("layer_skip", 64, 64 * t.profile.plain_ms(100) / 1000 / 9.0, t.profile.plain_ms(100)))
+    assert t.plan(100).rung == "layer_skip"
+
+
 def test_plan_reason_is_one_line_with_the_numbers():
     plan = tuner().plan(100)
     assert "\n" not in plan.reason and "predicted" in plan.reason and "ms/token" in plan.reason

@@ -20,6 +20,12 @@ EAGLE rung cannot beat plain decoding; but a slow turn whose shape the acceptanc
 no longer picks first re-plans the rung (`_replan`, once per visit). The user's pins (strategy, depth, top_k, total_tokens, a
 static tree) are never overridden.
 
+The rivals (Lookahead, layer skip: `RIVALS`) have no acceptance model; each answer they decode
+(a race, a pinned answer, an A/B) records its measured speedup. Once one of them has measured at
+`DEMOTE_BELOW` or more over its last `RIVAL_RUNS` answers, and more than the ladder's plan
+predicts (or, without a prediction, than plain), the plan is that rival; its own slow answers pull
+its mean down and the ladder's plan returns. The ladder itself never moves for a rival's turn.
+
 Stepping down is not for ever: a busy minute slows every rung, and the load correction cannot
 tell all of it apart. After `PROBE_EVERY` measured turns below the top, one turn tries the rung
 above again (a probe); measured at `DEMOTE_BELOW` or more, the ladder climbs back to it, else it
@@ -43,6 +49,8 @@ RANK_DECAY = 0.3                    # prior: rank r+1 is accepted 0.3x as often 
 PRIOR_STRENGTH = 8.0                # the prior counts as this many observed offers per (depth, rank)
 DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
 SLOWER_THAN_PLAIN = 1.0             # a turn measured below this leaves its rung at once
+RIVALS = ("lookahead", "layer_skip")  # drafters chosen on their measured speed alone
+RIVAL_RUNS = 4                      # the last answers a rival's measured speedup is the mean of
 PROBE_EVERY = 8                     # measured turns on a lower rung before one turn tries the rung above
 MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
 LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt lookup", "lookahead": "lookahead",
@@ -240,11 +248,12 @@ class Tuner:
         self.replanned = False                 # this rung's one new shape after a slow turn is spent
         self.turns: list[Turn] = []
         self.draft_clock = DraftClock()
+        self.heard: dict[str, list[float]] = {}   # strategy -> measured speedups of its answers, oldest first
 
     def prepare(self, engine, context: float) -> Plan:
         """Plan the next turn and set the engine up for it."""
         plan = self.plan(context)
-        index = self.rungs.index(plan.rung)
+        index = self.rungs.index(plan.rung) if plan.rung in self.rungs else self.rung
         self.trial = index if index < self.rung else None
         self.planned, self.planned_context = plan, context
         engine.set_drafter(self.drafters[plan.strategy])
@@ -253,6 +262,32 @@ class Tuner:
         return plan
 
     def plan(self, context: float) -> Plan:
+        plan = self._ladder_plan(context)
+        rival = None if self.pins.strategy else self.best_rival()
+        beaten = plan.predicted if plan.predicted is not None else self.measured(plan.strategy) or 1.0
+        if rival is None or self.measured(rival) <= beaten:
+            return plan
+        speed = self.measured(rival)
+        return Plan(rival, None, speed, f"{LABELS[rival]}: measured {speed:.2f}x plain over its last "
+                                        f"{len(self.heard[rival][-RIVAL_RUNS:])} answers, ahead of {LABELS[plan.rung]}")
+
+    def measured(self, strategy: str) -> float | None:
+        """The mean measured speedup of `strategy`'s last RIVAL_RUNS answers, or None if none."""
+        runs = self.heard.get(strategy, [])[-RIVAL_RUNS:]
+        return sum(runs) / len(runs) if runs else None
+
+    def best_rival(self) -> str | None:
+        """The loaded rival measured fastest, if it measured at DEMOTE_BELOW or more."""
+        paying = [(self.measured(name), name) for name in RIVALS
+                  if name in self.drafters and (self.measured(name) or 0.0) >= DEMOTE_BELOW]
+        return max(paying)[1] if paying else None
+
+    def record(self, turn: Turn) -> None:
+        """Any answer's measured speed, the tuner's turn or not (a race's, an A/B's)."""
+        if turn.speedup is not None and turn.tokens >= MIN_TURN_TOKENS:
+            self.heard.setdefault(turn.strategy, []).append(turn.speedup)
+
+    def _ladder_plan(self, context: float) -> Plan:
         plain_ms, scale = self.profile.plain_ms(context), self.draft_clock.scale
         clock = f"drafts measured {scale:.1f}x the profile's time" if not 2 / 3 < scale < 3 / 2 else ""
         note = "; ".join(filter(None, [self.demoted, clock]))
@@ -302,6 +337,9 @@ class Tuner:
     def end_turn(self, turn: Turn) -> None:
         """Record a finished turn; step down the ladder after slow turns, back up after a won probe."""
         self.turns.append(turn)
+        self.record(turn)
+        if turn.strategy in RIVALS and not self.pins.strategy:
+            return   # a rival's speed is its own record; the ladder stays where it was
         self.draft_clock.add(turn)
         if self.keep is not None and turn.strategy == "eagle":
             self.keep(self.acceptance)

@@ -58,3 +58,5 @@ class TurnLog:
         """Hand the finished turn to the tuner (it may step the ladder)."""
         if self.meter is not None and self.counted:
             self.tuner.end_turn(self.meter.turn())
+        elif self.meter is not None:
+            self.tuner.record(self.meter.turn())
