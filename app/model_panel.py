@@ -10,6 +10,7 @@ from typing import Any
 
 import gradio as gr
 
+from app.answers import strategy_label
 from app.handlers import Cancels, SettingsError, header, report, session_key, shown_label, toast
 from core.config import QUANTS, ModelChoice
 from core.service.contract import ChatServiceApi
@@ -98,3 +99,21 @@ def load_model(service: ChatServiceApi, loads: Cancels, model: Any, head: Any, q
     toast("info", f"Loaded {shown_label(switched.label)} in {time.perf_counter() - t0:.1f} s")
     prompt = service.default_system_prompt if system_prompt == old_default else system_prompt
     yield header(switched.label), switched_line(switched), prompt
+
+
+AUTO = "auto"   # the drafter choice that leaves it to the tuner
+
+
+def drafter_choices(drafters: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The Drafter dropdown: the tuner's choice, then every drafter the model has, by its label."""
+    return [("auto (the tuner decides)", AUTO), *((strategy_label(name), name) for name in drafters)]
+
+
+def pin_drafter(service: ChatServiceApi, choice: Any) -> str:
+    """Pin the drafter chosen in the dropdown (or hand the choice back to the tuner); -> the status line."""
+    try:
+        plan = service.pin(None if choice in (None, AUTO) else str(choice))
+    except Exception as exc:  # noqa: BLE001 - a toast, and the model's status as it was
+        report(exc, "pin the drafter")
+        return model_status(service.label)
+    return model_status(service.label) + f"<br>Drafter: {html.escape(plan)}"

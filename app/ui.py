@@ -121,12 +121,18 @@ def _model_panel(service: ChatServiceApi, d: UiDefaults) -> SimpleNamespace:
         quant = gr.Dropdown(list(model_panel.QUANTS), value=d.quant, label="Quantization",
                             info="nf4 = 4-bit (bitsandbytes, CUDA); int4/int8 = small weights on a CPU; "
                                  "none = unquantized (bf16 on a GPU, fp32 on a CPU)")
+        drafter = gr.Dropdown(model_panel.drafter_choices(service.drafters), value=model_panel.AUTO, label="Drafter",
+                              info="Who drafts: the tuner's choice, or one drafter for every answer (Race drafters "
+                                   "shows which is fastest here)", elem_id="aerie-drafter")
         with gr.Row():
             load = gr.Button("Load model", variant="secondary")
             cancel = gr.Button("Cancel", variant="stop", visible=False)
         status = gr.Markdown(lambda: model_panel.model_status(service.label), elem_classes="aerie-muted",
                              elem_id="aerie-model-status")
-    return SimpleNamespace(model=model, head=head, quant=quant, load=load, cancel_load=cancel, status=status)
+    drafter.change(bind(model_panel.pin_drafter, service), inputs=drafter, outputs=status, api_name="pin_drafter",
+                   concurrency_id=ENGINE, concurrency_limit=1, show_progress="minimal")
+    return SimpleNamespace(model=model, head=head, quant=quant, drafter=drafter, load=load, cancel_load=cancel,
+                           status=status)
 
 
 def _chat_panel() -> SimpleNamespace:
@@ -253,7 +259,9 @@ def _wire_load(service: ChatServiceApi, p: SimpleNamespace) -> None:
                  ).then(bind(model_panel.load_model, service, p.loads), inputs=[p.model, p.head, p.quant, system],
                         outputs=[p.header, p.status, system], api_name="load_model",
                         concurrency_id=ENGINE, concurrency_limit=1
-                 ).then(loaded, outputs=buttons, **quick)
+                 ).then(loaded, outputs=buttons, **quick
+                 ).then(lambda: gr.update(choices=model_panel.drafter_choices(service.drafters), value=model_panel.AUTO),
+                        outputs=p.drafter, **quick)
     p.cancel_load.click(bind(model_panel.cancel_load, p.loads), outputs=p.status, **quick)
 
 

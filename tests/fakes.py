@@ -31,6 +31,10 @@ class FakeService:
         self.calls = []
         self.finish = None
 
+    def pin(self, strategy):
+        self.pinned = strategy
+        return f"{strategy or 'the tuner'} decides"
+
     def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None):
         self.calls.append(SimpleNamespace(messages=messages, system_prompt=system_prompt, sampling=sampling,
                                           stop_strings=stop_strings, cancel=cancel, strategy=strategy))

@@ -119,3 +119,14 @@ def test_race_runs_every_drafter_and_each_says_plain_decodings_text(loaded, tmp_
     assert line.startswith("Race of 5 drafters: fastest ") and line.endswith("identical text: all")
     assert shown[-1]["metadata"]["title"] == line and "| layer skip |" in shown[-1]["content"]
     assert len(loaded.tuner.turns) == turns and loaded.engine.drafter is loaded.tuner.drafters["eagle"]
+
+
+def test_a_pinned_drafter_answers_until_unpinned(loaded, tmp_path):
+    service = ChatService(loaded.engine, tuner=loaded.tuner, cache_dir=tmp_path / "cache")
+    assert "lookahead" in service.pin("lookahead")
+    assert answer(service)[0][-1].stats.strategy == "lookahead"
+    with pytest.raises(Exception, match="cannot decode with 'medusa'"):
+        service.pin("medusa")
+    service.pin(None)   # the tuner's choice again: on this random head it predicts EAGLE loses, so prompt lookup
+    assert loaded.tuner.pins.strategy is None and answer(service)[0][-1].stats.strategy == "prompt_lookup"
+    service.pin("eagle")   # as the module's fixture was loaded

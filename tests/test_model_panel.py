@@ -200,3 +200,16 @@ def test_a_mismatched_head_is_explained(toasts):
     service = PanelService(fail=HeadMismatchError("The head expects hidden size 4096; the target has 576."))
     *_, last = model_panel.load_model(service, Cancels(), "org/New", "bad/head", "none", "p")
     assert last[2] == "p" and "hidden size 4096" in toasts[-1][1] and toasts[-1][0] == "warning"
+
+
+def test_the_drafter_dropdown_pins_and_unpins():
+    from app import model_panel
+    from tests.fakes import FakeService
+
+    service = FakeService()
+    assert model_panel.drafter_choices(service.drafters)[0] == ("auto (the tuner decides)", "auto")
+    assert ("EAGLE head", "eagle") in model_panel.drafter_choices(service.drafters)
+    line = model_panel.pin_drafter(service, "prompt_lookup")
+    assert service.pinned == "prompt_lookup" and "Drafter: prompt_lookup decides" in line
+    model_panel.pin_drafter(service, "auto")
+    assert service.pinned is None

@@ -306,7 +306,12 @@ def test_a_rival_measured_faster_than_the_ladders_plan_is_chosen_and_its_slow_an
     for _ in range(3):
         slow_turn(t, 0.6, "lookahead")
     assert t.plan(100).rung == "prompt_lookup"     # its own slow answers pulled its mean under
-    assert tuner(pins=Pins(strategy="lookahead")).plan(100).rung == "lookahead"
+    t.pin("lookahead")                             # pinned from the page: it runs whatever it measured
+    assert t.plan(100).rung == "lookahead" and t.rungs == ["lookahead"]
+    t.pin(None)
+    assert t.plan(100).rung == "prompt_lookup"
+    with pytest.raises(ValueError, match="no medusa drafter"):
+        t.pin("medusa")
 
 
 def test_a_rival_must_beat_eagles_prediction():

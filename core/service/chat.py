@@ -214,6 +214,22 @@ class ChatService:
             names.add("layer_skip")
         return tuple(name for name in DRAFTERS if name in names)
 
+    def pin(self, strategy: str | None) -> str:
+        """Every answer from now on decodes with `strategy` (None: the tuner chooses again), until the
+        model changes; -> the plan for a new chat. Waits for a running answer; a layer-skip drafter is
+        built (measured) first if it must be."""
+        if self.tuner is None:
+            raise StrategyUnavailableError("The tuner starts once the model's graphs are compiled; pin a drafter then.")
+        with self.busy:
+            return self.worker.call(lambda: self._pin(strategy))
+
+    def _pin(self, strategy: str | None) -> str:
+        if strategy is not None:
+            self._drafter(strategy)   # builds it if it must be; an unknown name is a clear error
+        self.tuner.pin(strategy)
+        self._replan()
+        return self.tuning
+
     def _loaded_drafters(self) -> dict:
         drafters = dict(self.tuner.drafters if self.tuner else self.warmup.staged.drafters if self.warmup
                         else {"plain": PlainDrafter()})

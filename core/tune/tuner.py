@@ -33,7 +33,7 @@ stays and probes again `PROBE_EVERY` turns later. A probe that loses costs one t
 PROBE_EVERY + 1; one that wins recovers the speedup for the rest of the chat.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -233,22 +233,29 @@ class Tuner:
         self.profile, self.acceptance, self.pins, self.max_size = profile, acceptance, pins, max_size
         self.keep = keep
         self.drafters = drafters
-        rungs = ["tree", "chain", "prompt_lookup", "plain"] if "eagle" in drafters else ["prompt_lookup", "plain"]
-        if pins.strategy is not None:
-            rungs = ["tree"] if pins.strategy == "eagle" else [pins.strategy]
-        if pins.top_k == 1 and rungs[0] == "tree":
+        self.pin(pins.strategy)
+        self.turns: list[Turn] = []
+        self.draft_clock = DraftClock()
+        self.heard: dict[str, list[float]] = {}   # strategy -> measured speedups of its answers, oldest first
+
+    def pin(self, strategy: str | None) -> None:
+        """Decode with `strategy` (a drafter's name) from the next answer on, or None: the tuner's
+        choice again; the ladder starts from its top. What was learned stays."""
+        if strategy is not None and strategy not in self.drafters:
+            raise ValueError(f"no {strategy} drafter is loaded; there are {', '.join(self.drafters)}")
+        self.pins = replace(self.pins, strategy=strategy)
+        rungs = ["tree", "chain", "prompt_lookup", "plain"] if "eagle" in self.drafters else ["prompt_lookup", "plain"]
+        if strategy is not None:
+            rungs = ["tree"] if strategy == "eagle" else [strategy]
+        if self.pins.top_k == 1 and rungs[0] == "tree":
             rungs = ["chain", *rungs[1:]]   # a pinned width of 1 is a chain: the tree rung would repeat it
-        rungs = list(dict.fromkeys(rungs))
-        self.rungs, self.rung = rungs, 0
+        self.rungs, self.rung = list(dict.fromkeys(rungs)), 0
         self.low_turns, self.demoted = 0, ""   # turns in a row below DEMOTE_BELOW; the ladder's last move and why
         self.since_probe = 0                   # measured turns on this rung since it was reached or last probed
         self.trial: int | None = None          # the rung above that the planned turn probes
         self.planned: Plan | None = None       # the last turn's plan, and its context
         self.planned_context = 0.0
         self.replanned = False                 # this rung's one new shape after a slow turn is spent
-        self.turns: list[Turn] = []
-        self.draft_clock = DraftClock()
-        self.heard: dict[str, list[float]] = {}   # strategy -> measured speedups of its answers, oldest first
 
     def prepare(self, engine, context: float) -> Plan:
         """Plan the next turn and set the engine up for it."""
