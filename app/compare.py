@@ -7,7 +7,9 @@ plain text folded inside. The service decodes that one run plainly and the tuner
 it as a turn (ChatService.reply's `strategy`), so the next answer speculates as before.
 """
 
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import gradio as gr
 
@@ -52,6 +54,43 @@ def last_answer(store: ChatStore, chat_id: int | None, verb: str = "compare") ->
     return chat, Request.from_dict(chat[-1]["meta"]["request"])
 
 
+@dataclass(frozen=True)
+class Rerun:
+    """The last answer asked again (A/B, a race): what it was asked, and this run's Stop flag."""
+    chat: Chat
+    asked: Request
+    key: str                   # the page session's, for Stop
+    cancel: threading.Event
+    shown: list[dict]          # the chat as the page shows it now
+
+
+def begin(store: ChatStore, cancels: Cancels, chat_id: int | None, highlight: bool, request,
+          verb: str = "compare") -> Rerun | None:
+    """Start asking the chat's last answer again; None (after a toast saying why) if it cannot be."""
+    found = last_answer(store, chat_id, verb)
+    if found is None:
+        return None
+    key = handlers.session_key(request)
+    return Rerun(*found, key, cancels.start(key), answers.view(found[0], highlight))
+
+
+def streamed(cancels: Cancels, rerun: Rerun, updates: Iterator[tuple], action: str):
+    """Yield `updates` (the page's, as the rerun streams); a failure becomes a toast naming
+    `action`. Returns (`yield from`'s value) "cleared" when the page was cleared meanwhile (show
+    nothing more), "failed", or "done"; in every case its Stop flag is released."""
+    failed = False
+    try:
+        yield from updates
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged
+        handlers.report(exc, action)
+        failed = True
+    finally:
+        cleared = cancels.discarded(rerun.cancel)
+        rerun.cancel.set()
+        cancels.finish(rerun.key, rerun.cancel)
+    return "cleared" if cleared else "failed" if failed else "done"
+
+
 def _plain_run(service: ChatServiceApi, cancels: Cancels, cancel, chat: Chat, asked: Request,
                shown: list[dict]) -> Iterator[tuple[Answer, list[dict], str]]:
     """Stream the plain run: (answer so far, chatbot, stats line) per event."""
@@ -79,28 +118,23 @@ def compare(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id
             request: gr.Request | None = None) -> Iterator[tuple]:
     """A/B of the chat's last answer; yields (chatbot, stats line). Stop or a failure leaves the
     chat as it was: a half-finished plain run compares nothing."""
-    found = last_answer(store, chat_id)
-    if found is None:
+    rerun = begin(store, cancels, chat_id, highlight, request)
+    if rerun is None:
         yield gr.skip(), gr.skip()
         return
-    chat, asked = found
-    key = handlers.session_key(request)
-    cancel, shown = cancels.start(key), answers.view(chat, highlight)
-    plain, failed = Answer(), False
-    try:
-        for plain, running, line in _plain_run(service, cancels, cancel, chat, asked, shown):
+    chat, asked, shown = rerun.chat, rerun.asked, rerun.shown
+    runs = []
+
+    def updates():
+        for plain, running, line in _plain_run(service, cancels, rerun.cancel, chat, asked, shown):
+            runs[:] = [plain]
             yield running, line
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged
-        handlers.report(exc, ACTION)
-        failed = True
-    finally:
-        cleared = cancels.discarded(cancel)  # the page was cleared: show nothing more
-        cancel.set()
-        cancels.finish(key, cancel)
-    if cleared:
+    outcome = yield from streamed(cancels, rerun, updates(), ACTION)
+    if outcome == "cleared":
         return
-    if failed or plain.finish in (None, "cancelled"):
-        if not failed:
+    plain = runs[0] if runs else Answer()
+    if outcome == "failed" or plain.finish in (None, "cancelled"):
+        if outcome != "failed":
             handlers.toast("info", "A/B stopped before plain decoding finished: nothing was compared.")
         yield shown, ""
         return

@@ -16,7 +16,7 @@ import gradio as gr
 
 from app import answers, handlers
 from app.answers import Answer
-from app.compare import last_answer, saved
+from app.compare import begin, saved, streamed
 from app.handlers import Cancels
 from app.store import ChatStore
 from core.service.contract import ChatServiceApi
@@ -27,18 +27,16 @@ ACTION = "race the drafters"
 def race(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id: int | None, highlight: bool,
          request: gr.Request | None = None) -> Iterator[tuple]:
     """Yields (chatbot, stats line) while the drafters answer in turn, then the chat with the race."""
-    found = last_answer(store, chat_id, "race")
-    if found is None:
+    rerun = begin(store, cancels, chat_id, highlight, request, "race")
+    if rerun is None:
         yield gr.skip(), gr.skip()
         return
-    chat, asked = found
-    key = handlers.session_key(request)
-    cancel, shown = cancels.start(key), answers.view(chat, highlight)
+    chat, asked, cancel, shown = rerun.chat, rerun.asked, rerun.cancel, rerun.shown
     names = ("plain", *(name for name in service.drafters if name != "plain"))
     greedy = replace(asked.sampling, temperature=0.0)
     done: list[tuple[str, Answer]] = []
-    failed = False
-    try:
+
+    def updates():
         for name in names:
             run = Answer()
             for event in service.reply(handlers.service_messages(chat[:-1]), asked.system_prompt, greedy, asked.stops,
@@ -47,19 +45,13 @@ def race(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id: i
                 if not cancels.discarded(cancel):
                     yield shown + [answers.race_running_row(done, name, run, len(names))], answers.format_stats(run.stats)
             if run.finish in (None, "cancelled"):
-                break
+                return
             done.append((name, run))
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged
-        handlers.report(exc, ACTION)
-        failed = True
-    finally:
-        cleared = cancels.discarded(cancel)
-        cancel.set()
-        cancels.finish(key, cancel)
-    if cleared:
+    outcome = yield from streamed(cancels, rerun, updates(), ACTION)
+    if outcome == "cleared":
         return
-    if failed or len(done) < len(names):
-        if not failed:
+    if outcome == "failed" or len(done) < len(names):
+        if outcome != "failed":
             handlers.toast("info", "The race stopped before every drafter finished: nothing was saved.")
         yield shown, ""
         return

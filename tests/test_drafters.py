@@ -197,13 +197,17 @@ def test_a_view_over_every_layer_is_the_decoder_and_shares_its_weights():
         layer_view(decoder, (2, 1))
 
 
-def test_agreement_is_the_drafters_own_first_guess():
+def calibration(new_tokens: int):
+    """A tiny 4-layer target's runner and its own greedy answer to a prompt: (model, runner, sequence, start)."""
     model = tiny_llama(seed=4, layers=4)
     target = tiny_target(model)
-    runner = TargetRunner(target, RunnerConfig(compile=False))
     prompt = [7, 3, 9, 1]
-    answer = run(Engine(target), prompt, SamplingConfig(max_new_tokens=12))
-    sequence, start = prompt + answer, len(prompt) - 1
+    answer = run(Engine(target), prompt, SamplingConfig(max_new_tokens=new_tokens))
+    return model, TargetRunner(target, RunnerConfig(compile=False)), prompt + answer, len(prompt) - 1
+
+
+def test_agreement_is_the_drafters_own_first_guess():
+    model, runner, sequence, start = calibration(12)
     assert agreement(runner, layer_view(model.get_decoder(), range(4)), sequence, start) == 1.0
     drafter = LayerSkipDrafter(runner, SkipConfig((1, 2), depth=1))
     hits = 0
@@ -215,14 +219,10 @@ def test_agreement_is_the_drafters_own_first_guess():
 
 
 def test_the_skip_search_picks_a_valid_set_and_depth():
-    model = tiny_llama(seed=4, layers=4)
-    target = tiny_target(model)
-    runner = TargetRunner(target, RunnerConfig(compile=False))
-    prompt = [7, 3, 9, 1]
-    answer = run(Engine(target), prompt, SamplingConfig(max_new_tokens=16))
+    _, runner, sequence, start = calibration(16)
     # A target whose verify costs the same for 1 or 8 tokens: drafting pays whenever a guess is right.
     profile = LatencyProfile(sizes=(1, 8), round_ms=(10.0, 10.0), contexts=(32, 512), slope_sizes=(1,), slope_ms=(0.0,))
-    choice = choose_skip(runner, profile, [(prompt + answer, len(prompt) - 1)], report=lambda line: None)
+    choice = choose_skip(runner, profile, [(sequence, start)], report=lambda line: None)
     assert 1 <= len(choice.config.skip) < 4 and 1 <= choice.config.depth
     assert len(choice.damage) == 4 and len(choice.curve) == 3
     assert choice.predicted > 0 and 0.0 <= choice.agreement <= 1.0
