@@ -26,8 +26,11 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quant", choices=QUANTS, help="weights: nf4 = 4-bit bitsandbytes (default on CUDA), int4/int8 = torch CPU kernels (int4 is the CPU default), none = unquantized (fp32 on a CPU, bf16 on a GPU: fp16 before Ampere)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, or 'random' (an untrained head, for testing)")
+    p.add_argument("--head", help="EAGLE head: Hugging Face id, local folder, 'random' (an untrained head, for testing) or "
+                   "'none' (no EAGLE head, not even the embedded model's)")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading a head stored as pickle (pytorch_model.bin)")
+    p.add_argument("--medusa", help="Medusa heads: Hugging Face id or local folder, FasterDecoding's layout or Aerie's "
+                   "(default: the heads Aerie ships for the embedded model; 'none': no Medusa drafter)")
     p.add_argument("--depth", type=natural, help="EAGLE tree: expansion steps, longest draft = depth + 1 (default: the tuner's choice)")
     p.add_argument("--top-k", type=positive, help="EAGLE tree: children per expanded node (default: the tuner's choice)")
     p.add_argument("--total-tokens", type=positive, help="EAGLE tree: tokens verified per round, root included (default: the tuner's choice)")
@@ -51,11 +54,15 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
         p.add_argument("--max-new-tokens", type=positive, default=128, help="tokens generated per prompt and strategy")
         p.add_argument("--context", type=natural, default=0, help="pad each prompt with filler to about this many tokens")
         p.add_argument("--strategies", help="comma-separated subset of plain, hf_generate, hf_prompt_lookup, "
-                       "prompt_lookup, lookahead, layer_skip, eagle (plain always runs; default: all but layer_skip, "
+                       "prompt_lookup, lookahead, layer_skip, medusa, eagle (plain always runs; default: all but layer_skip, "
                        "whose first run measures which layers to skip, about a minute on 2 cores)")
         p.add_argument("--compare-default-tree", action="store_true",
                        help="add eagle_default_tree: EAGLE's published default (60 tokens, depth 6, top_k 10) beside the tuned eagle")
         p.add_argument("--trees", help="add fixed EAGLE shapes, e.g. '0,4,5 2,4,12' (depth,top_k,total_tokens each): a grid in one run")
+        p.add_argument("--verify-delay-ms", type=float, default=0.0, metavar="MS",
+                       help="simulate a slow (offloaded) target: every target prefill and verify waits MS more, the same for "
+                       "any tree size, plain decoding's included; the tuner then plans SpecExec's big best-first trees "
+                       "(transformers' generate, hf_*, is not slowed and not run unless asked)")
         p.add_argument("--serve", action="store_true",
                        help="also ask a live Aerie server (launch.py --no-browser on a free port, with these model flags) "
                        "for the same answers through its OpenAI API, and print its wall-clock tok/s beside the bench's")
@@ -73,7 +80,7 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
 
 
 def parse_train_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="launch.py train", description="Aerie: train an EAGLE draft head by self-distillation.")
+    p = argparse.ArgumentParser(prog="launch.py train", description="Aerie: train an EAGLE draft head or Medusa heads by self-distillation.")
     p.add_argument("--out", type=Path, required=True, help="folder for the head (model.safetensors + config.json), checkpoint and logs")
     p.add_argument("--model", help="Hugging Face id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quant", choices=QUANTS, help="target weights (default: nf4 on CUDA, none on CPU: at many rows fp32 oneDNN beats the int4 kernel)")
@@ -82,7 +89,14 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--answers", type=Path, nargs="+", help="distill jsonl files, answer stores (launch.py generate) or folders of them (default: the model's stores under "
                    "data/answers, and for the embedded model ../shared/distill/smollm2-135m-instruct)")
     p.add_argument("--features", type=Path, help="folder of captured target features, shareable between runs (default: OUT/features)")
-    p.add_argument("--kind", choices=["eagle1", "eagle3"], default="eagle1", help="head architecture")
+    p.add_argument("--kind", choices=["eagle1", "eagle3", "medusa"], default="eagle1", help="head architecture (medusa: "
+                   "Medusa-1 heads on the frozen target, drafting from the EAGLE head's draft vocabulary, see --head)")
+    p.add_argument("--medusa-heads", type=int, default=4, help="medusa: heads, guessing 2 .. N+1 tokens ahead")
+    p.add_argument("--medusa-layers", type=int, default=1, help="medusa: ResBlocks per head")
+    p.add_argument("--medusa-own-projection", action="store_true", help="medusa: each head trains its own projection "
+                   "onto the draft vocabulary (Medusa-1's; 10 MB a head here) instead of sharing the model's LM head rows")
+    p.add_argument("--head", help="medusa: the EAGLE-1 head whose draft vocabulary the heads project onto "
+                   "(default: the model's shipped head, if any; none: the most frequent answer tokens)")
     p.add_argument("--draft-vocab", type=int, help="eagle3: keep the N most frequent answer tokens (default: the whole vocabulary)")
     p.add_argument("--ttt-steps", type=int, help="training-time test: unrolled draft steps (default: 1 for eagle1, 5 for eagle3)")
     p.add_argument("--init-from-target", type=int, nargs="?", const=-1, metavar="LAYER", help="start the head's layer from this target layer (default when given without a number: the last)")
@@ -139,6 +153,12 @@ def port_number(text: str) -> int:
 def default_head(model: str | None) -> str | None:
     """The head Aerie ships for the embedded model, when it is the one asked for."""
     shipped = ROOT / "assets" / "heads" / "smollm2-135m-instruct"
+    return str(shipped) if model is None and (shipped / "config.json").is_file() else None
+
+
+def default_medusa(model: str | None) -> str | None:
+    """The Medusa heads Aerie ships for the embedded model, when it is the one asked for."""
+    shipped = ROOT / "assets" / "heads" / "smollm2-135m-instruct-medusa"
     return str(shipped) if model is None and (shipped / "config.json").is_file() else None
 
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from cli import ROOT, default_head, parse_args, parse_generate_args, parse_train_args  # stdlib only
+from cli import ROOT, default_head, default_medusa, parse_args, parse_generate_args, parse_train_args  # stdlib only
 from setup_env import T0, bootstrap  # stdlib only
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # addresses that serve this machine only
@@ -49,14 +49,18 @@ def engine_spec(args: argparse.Namespace, **overrides):
     from core.tune.tuner import Pins
 
     head = args.head if args.head is not None else default_head(overrides.get("model", args.model))
+    medusa = args.medusa if args.medusa is not None else default_medusa(overrides.get("model", args.model))
     shape = {k: v for k, v in (("depth", args.depth), ("top_k", args.top_k), ("total_tokens", args.total_tokens)) if v is not None}
     static = TreeConfig(choices=MC_SIM_7B_63) if args.static_tree else None
     tree = static or (TreeConfig(**shape) if shape else None)  # the first turn's tree; then the tuner's
-    fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=head,
+    fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=head, medusa=medusa,
                   allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"), tree=tree,
                   pins=Pins(static=static, **shape), vram_reserve_gb=args.vram_reserve, compile=not args.no_compile,
-                  attention=args.attention, kernel_mix=args.kernel_mix)
-    return EngineSpec(**{**fields, **overrides})
+                  attention=args.attention, kernel_mix=args.kernel_mix,
+                  verify_delay_ms=getattr(args, "verify_delay_ms", 0.0))
+    merged = {**fields, **overrides}
+    # "none": no EAGLE head or Medusa heads, not even the model's shipped ones (the compile child is told so too)
+    return EngineSpec(**{**merged, **{k: None for k in ("head", "medusa") if merged[k] == "none"}})
 
 
 def free_port(host: str, first: int) -> int:
@@ -132,7 +136,8 @@ def chat_service(args: argparse.Namespace):
         # and the command line's --strategy applies only to the model it named.
         same = choice.model == args.model
         head = choice.head if choice.head is not None else (args.head if same and args.head else default_head(choice.model))
-        return load_for_chat(engine_spec(args, model=choice.model, quant=choice.quant, head=head or None,
+        medusa = args.medusa if same and args.medusa else default_medusa(choice.model)
+        return load_for_chat(engine_spec(args, model=choice.model, quant=choice.quant, head=head or None, medusa=medusa,
                                          strategy=args.strategy if same else "auto"), compile_command, probe)
 
     def check(choice: ModelChoice) -> None:
@@ -177,7 +182,8 @@ def serve(args: argparse.Namespace, service, store, key: str | None, private: Pa
 
 def compile_command(spec) -> list[str]:
     """`launch.py compile` for the model of an EngineSpec: the child that compiles its graphs."""
-    values = {"--model": spec.model, "--quant": spec.quant, "--device": spec.device, "--head": spec.head,
+    values = {"--model": spec.model, "--quant": spec.quant, "--device": spec.device, "--head": spec.head or "none",
+              "--medusa": spec.medusa or "none",
               "--cache-dir": spec.cache_dir, "--strategy": spec.strategy, "--attention": spec.attention}
     return [sys.executable, str(ROOT / "launch.py"), "compile",
             *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
@@ -239,7 +245,7 @@ def run_bench(args: argparse.Namespace) -> None:
 def server_command(args: argparse.Namespace) -> list[str]:
     """`launch.py` serving the model bench was asked for, on this machine only, for `bench --serve`."""
     values = {"--model": args.model, "--quant": args.quant, "--device": args.device, "--head": args.head,
-              "--depth": args.depth, "--top-k": args.top_k, "--total-tokens": args.total_tokens,
+              "--medusa": args.medusa, "--depth": args.depth, "--top-k": args.top_k, "--total-tokens": args.total_tokens,
               "--cache-dir": args.cache_dir, "--vram-reserve": args.vram_reserve, "--attention": args.attention}
     flags = {"--allow-pickle": args.allow_pickle, "--static-tree": args.static_tree, "--no-compile": args.no_compile,
              "--kernel-mix": args.kernel_mix}
@@ -251,6 +257,7 @@ def server_command(args: argparse.Namespace) -> list[str]:
 def run_train(args: argparse.Namespace) -> None:
     from core.errors import AerieError
     from core.train.loop import TrainConfig, train
+    from core.train.medusa import train_medusa
     from core.text import render_prompt
     from core.runtime.cpu_linear import batched_linear_kind
     from core.train.data import DataConfig
@@ -266,7 +273,8 @@ def run_train(args: argparse.Namespace) -> None:
                           batch_tokens=args.batch_tokens, noise=args.noise, weight_decay=args.weight_decay, ttt_steps=args.ttt_steps,
                           objective=args.objective, replay=args.replay, flattest=args.flattest, fc_norm=args.fc_norm,
                           init_layer=args.init_from_target,
-                          init_head=args.init_from,
+                          init_head=args.init_from, medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers,
+                          medusa_own_projection=args.medusa_own_projection,
                           seed=args.seed, save_every=args.save_every, eval_every=args.eval_every, threads=args.threads,
                           time_limit_s=args.time_limit * 60 if args.time_limit else None)
         target = load_target(target_spec(args, batched=True))
@@ -275,7 +283,11 @@ def run_train(args: argparse.Namespace) -> None:
         data = DataConfig(answers=tuple(answers), max_tokens=args.max_tokens, val_tokens=args.val_tokens,
                           exclude_prompts=exclude, exclude_ids=exclude_ids, features_dir=args.features,
                           linear=batched_linear_kind(target.model, args.linear, DataConfig.capture_tokens))
-        summary = train(target, data, cfg, args.out, resume=args.resume)
+        if cfg.kind == "medusa":
+            head = args.head if args.head is not None else default_head(args.model)
+            summary = train_medusa(target, data, cfg, args.out, args.resume, None if head == "none" else head)
+        else:
+            summary = train(target, data, cfg, args.out, resume=args.resume)
     except (AerieError, ValueError) as e:
         fail(e)
     print(json.dumps(summary))

@@ -5,7 +5,10 @@ assisted generation with prompt_lookup_num_tokens), prompt_lookup (ours), and wi
 (the tuner's shape, re-planned per prompt) plus any fixed shapes asked for (eagle_d{depth}k{top_k}n{total}). Prints a per-category table, then one JSON line. Compare ratios from one run only: the
 machines are shared and absolute times drift between runs. With --serve, plain, prompt_lookup and
 eagle also answer each prompt through a live server's API (core/served.py): a `served` entry per
-strategy and a row under the table give its wall-clock tok/s and its ratio to the bench's.
+strategy and a row under the table give its wall-clock tok/s and its ratio to the bench's. With
+--verify-delay-ms every prefill and verify of the target waits that long, plain's included (a
+simulated offloaded target, SpecExec's regime on a CPU): the tuner plans big best-first trees, and
+the report says the target was slowed (`simulated_slow_target`).
 """
 
 import json
@@ -51,6 +54,7 @@ class Tally:
     commit_s: float = 0.0
     lossless: bool | None = True   # None: a reference on other weights (hf_* on CPU)
     tie_divergences: int = 0    # answers that left plain's only at a near-tie (runner.tie_margin)
+    tree_tokens: int = 0        # tokens verified by the rounds after the prefill (tree sizes, summed)
     trees: Counter = field(default_factory=Counter)  # tuned runs: prompts per tree shape
 
     @classmethod
@@ -60,7 +64,8 @@ class Tally:
                    trees=Counter([shape_name(tree)]) if tree else Counter())
 
     def add(self, other: "Tally") -> None:
-        for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s"):
+        for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s",
+                     "tree_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.lossless = None if None in (self.lossless, other.lossless) else self.lossless and other.lossless
         self.tie_divergences += other.tie_divergences
@@ -103,21 +108,26 @@ def prompt_text(target: Target, prompt: Prompt, context: int) -> str:
 
 
 def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None = None,
-               ties: set[int] | None = None) -> tuple[list[int], Tally]:
-    """One greedy answer; with a tuner, planned and learned from as the chat does, one turn per prompt."""
+               ties: set[int] | None = None, asked: bool = False) -> tuple[list[int], Tally]:
+    """One greedy answer; with a tuner, planned and learned from as the chat does, one turn per prompt
+    (`asked`: the engine's drafter as asked, shaped and learned from but not the tuner's turn)."""
     engine.reset()  # no prefix reuse across prompts: every strategy pays its own prefill
-    log = TurnLog.planned(engine, tuner, len(ids))
-    out, t0 = [], time.perf_counter()
+    log = TurnLog.asked(engine, tuner, len(ids), "as asked") if asked else TurnLog.planned(engine, tuner, len(ids))
+    out, t0, verified = [], time.perf_counter(), []
     for step in engine.generate(ids, SamplingConfig(max_new_tokens=max_new)):
         if ties is not None:
             ties.update(len(out) + j for j in step.near_ties)
         out += step.new_ids
+        verified.append(step.tree_size)
         log.add(step, time.perf_counter() - t0)
     log.end()
-    return out, Tally.of(log, time.perf_counter() - t0)
+    tally = replace(Tally.of(log, time.perf_counter() - t0), tree_tokens=sum(verified[1:]))  # [0]: the prefill
+    return out, replace(tally, trees=Counter([shape_name(engine.drafter.tree)])) if asked else tally
 
 
 def shape_name(tree: TreeConfig) -> str:
+    if tree.best_first:  # SpecExec's: n tokens, b nodes per head step, at most d head steps
+        return f"best_first_n{tree.total_tokens}b{tree.top_k}d{tree.depth}"
     return "mc_sim_7b_63" if tree.choices else f"d{tree.depth}k{tree.top_k}n{tree.total_tokens}"
 
 
@@ -173,17 +183,21 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
     With `serve`, each prompt of plain, prompt_lookup and eagle is also asked of that server, right
     after the bench's own run of it (core/served.py)."""
     fixed_trees = fixed_trees or {}
+    slow = spec.verify_delay_ms > 0   # transformers' generate is not slowed: no default there, and no server
+    if slow and serve:
+        raise ValueError("--serve with --verify-delay-ms: the server's target would not be slowed.")
     if fixed_trees and not spec.head:
         raise ValueError("Fixed EAGLE trees need a head (--head).")
     loaded = load_tuned(replace(spec, strategy="eagle" if spec.head else "prompt_lookup"))
     target, tuner = loaded.engine.target, loaded.tuner
     prompts = load_prompts(prompts_path, limit)
     known = (("plain", "hf_generate", "hf_prompt_lookup", "prompt_lookup", "lookahead", "layer_skip")
-             + (("eagle",) if spec.head else ()) + tuple(fixed_trees))
+             + (("medusa",) if "medusa" in tuner.drafters else ()) + (("eagle",) if spec.head else ()) + tuple(fixed_trees))
     unknown = set(strategies or ()) - set(known)
     if unknown:
         raise ValueError(f"Unknown strategies {', '.join(sorted(unknown))}: choose from {', '.join(known)}.")
-    asked = strategies if strategies is not None else tuple(n for n in known if n != "layer_skip")
+    asked = strategies if strategies is not None else tuple(n for n in known if n != "layer_skip"
+                                                            and not (slow and n.startswith("hf_")))
     names = [n for n in known if n in asked or n == "plain" or n in fixed_trees]
     engines = strategy_engines(loaded, spec, names, fixed_trees)
     # transformers' own generate runs on the model as transformers loads it: on CPU a second, fp32 copy (ours has
@@ -196,7 +210,8 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
     def runner(name: str, ids: list[int], ties: set[int]) -> tuple[list[int], Tally]:
         if name.startswith("hf_"):
             return run_hf(stock, ids, max_new, lookup=name == "hf_prompt_lookup")
-        return run_engine(engines[name], ids, max_new, tuner if name == "eagle" else None, ties)
+        rival = name in tuner.tree_rivals   # shaped by the tuner and teaching it, as a raced answer does in the app
+        return run_engine(engines[name], ids, max_new, tuner if name == "eagle" or rival else None, ties, rival)
 
     texts = [prompt_text(target, p, context) for p in prompts]
     all_ids = [render_prompt(target.tokenizer, [{"role": "user", "content": text}]) for text in texts]
@@ -214,6 +229,11 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
                          "measured_s": round(tuner.profile.measured_s, 2)}
     if "eagle" in results:
         report["strategies"]["eagle"]["plan"] = tuner.plan(len(all_ids[-1])).reason
+    if slow:
+        report["simulated_slow_target"] = {
+            "verify_delay_ms": spec.verify_delay_ms,
+            "note": "every prefill and verify of Aerie's target waited this long, plain decoding's included "
+                    "(as an offloaded target's weight transfer would); transformers' generate (hf_*) did not"}
     print_table(results)
     return report
 
@@ -226,6 +246,8 @@ def strategy_engines(loaded, spec: EngineSpec, names: list[str], fixed_trees: di
                for n in names if n in ("plain", "prompt_lookup", "lookahead")}
     if "layer_skip" in names:
         engines["layer_skip"] = Engine(target, layer_skip_drafter(loaded.engine, loaded.tuner.profile, spec.cache_dir), shared)
+    if "medusa" in names:
+        engines["medusa"] = Engine(target, loaded.tuner.drafters["medusa"], shared)
     engines.update({n: Engine(target, loaded.engine.drafter.sibling(tree), shared) for n, tree in fixed_trees.items()})
     if "eagle" in names:
         engines["eagle"] = loaded.engine
@@ -278,6 +300,8 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
         entry = {"tok_s": round(t.tokens / t.seconds, 2), "accept_len": round(t.tokens / t.rounds, 3) if t.rounds else None,
                  "speedup_vs_plain": round((t.tokens / t.seconds) / (plain.tokens / plain.seconds), 3),
                  "lossless": t.lossless, "tie_divergences": t.tie_divergences, "peak_mem_mb": round(res.peak_mem_mb)}
+        if t.rounds > len(prompts):
+            entry["tree_tokens"] = round(t.tree_tokens / (t.rounds - len(prompts)), 1)  # verified per round, mean
         if hf is not None:
             h = hf.total
             entry["speedup_vs_hf"] = round((t.tokens / t.seconds) / (h.tokens / h.seconds), 3)
@@ -288,7 +312,8 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
         if name.startswith("eagle"):
             tree = engines[name].drafter.tree
             entry["tree"] = ({"static": "mc_sim_7b_63", "nodes": 1 + len(tree.choices)} if tree.choices else
-                             {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens})
+                             {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
+                             | ({"best_first": True} if tree.best_first else {}))
             if t.trees:
                 entry["trees_used"] = dict(t.trees.most_common())  # prompts per shape the tuner chose
         if name == "lookahead":
@@ -296,6 +321,9 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
         if name == "layer_skip":
             drafter = engines[name].drafter
             entry["skip"] = {"layers": list(drafter.cfg.skip), "depth": drafter.cfg.depth, "chosen": drafter.reason}
+        if name == "medusa":
+            entry["heads"] = engines[name].drafter.heads.config.num_heads
+            entry["trees_used"] = dict(t.trees.most_common())  # prompts per shape the tuner gave it
         if res.served is not None:
             entry["served"] = res.served.entry(t.tokens / t.seconds)
         out["strategies"][name] = entry

@@ -6,7 +6,7 @@ from models.quants import QUANTS  # noqa: F401  (re-exported for app/, which imp
 
 
 # Every drafter by name (core/spec/), cheapest first: what --strategy, the API's aerie.strategy and the bench accept.
-DRAFTERS = ("plain", "prompt_lookup", "lookahead", "layer_skip", "eagle")
+DRAFTERS = ("plain", "prompt_lookup", "lookahead", "layer_skip", "medusa", "eagle")
 TUNED = "Aerie: tuned"      # the app's line once its engine runs compiled and its tuner plans (bench --serve waits for it)
 PLANNED_CONTEXT = 8192      # KV tokens the plan keeps room for (or the model's context, if shorter)
 
@@ -114,6 +114,9 @@ class TreeConfig:
     # EAGLE-1 static tree instead: paths of top-k ranks from the root, e.g. core.spec.tree.MC_SIM_7B_63.
     # When set, depth/top_k/total_tokens are ignored: the shape is fixed.
     choices: tuple[tuple[int, ...], ...] | None = None
+    # SpecExec's best-first tree instead (a slow, offloaded target): the best total_tokens - 1 nodes
+    # by cumulative draft log-prob, top_k nodes fed per head step, at most depth head steps.
+    best_first: bool = False
 
     def __post_init__(self):
         if self.depth < 0 or self.top_k < 1 or self.total_tokens < 1:

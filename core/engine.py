@@ -22,7 +22,7 @@ from core.errors import ContextOverflowError, OutOfMemoryError
 from core.spec.sampling import sample, target_probs
 from core.spec.drafters import PlainDrafter
 from core.runtime.runner import RunnerConfig, TargetRunner, Verified
-from core.spec.tree import Draft, DraftTree, verify_rows
+from core.spec.tree import Draft, DraftTree, first_nodes, verify_rows
 from core.spec.verify import Acceptance, accept_greedy, accept_sampled, path_offers, top2_margins
 from models.target import Target
 
@@ -163,6 +163,8 @@ class Engine:
         read what those brought over."""
         t0 = time.perf_counter()
         draft = self.drafter.draft(context, verified)
+        if draft.side is None and draft.rows > self.runner.rows_left:  # a big tree near the context's end
+            draft = replace(draft, tree=first_nodes(draft.tree, self.runner.rows_left))
         tree = draft.tree
         t1 = time.perf_counter()
         verified = self.verify(draft)

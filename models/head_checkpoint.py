@@ -69,7 +69,7 @@ def load_head(source: str, target_config, target_embed: nn.Embedding, target_lm_
               device: str | torch.device = "cpu", cache_dir: Path | None = None) -> EagleHead:
     """Read the head at `source` (a local folder or a Hugging Face repo id, fetched into
     `cache_dir/hub`, or huggingface_hub's own cache without one) and check it fits the target."""
-    folder = _resolve(source, allow_pickle, cache_dir)
+    folder = resolve_folder(source, allow_pickle, cache_dir)
     raw = _read_config(folder)
     state = _read_weights(folder, allow_pickle)
     config = config_from_json(raw, **_layout(state, raw))
@@ -128,7 +128,10 @@ def head_training_record(source: str | None) -> dict:
     return record if isinstance(record, dict) else {}
 
 
-def _resolve(source: str, allow_pickle: bool, cache_dir: Path | None) -> Path:
+def resolve_folder(source: str, allow_pickle: bool, cache_dir: Path | None,
+                   pickles: tuple[str, ...] = ("pytorch_model*.bin", "pytorch_model.bin.index.json")) -> Path:
+    """A draft checkpoint's folder: `source` itself, or a Hugging Face repo fetched into `cache_dir/hub`
+    (its config, safetensors and, when the user allows them, the `pickles`)."""
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -136,9 +139,7 @@ def _resolve(source: str, allow_pickle: bool, cache_dir: Path | None) -> Path:
         raise ModelLoadError(f"{source} is a file; pass the folder that holds the head's config.json and weights.")
     if not HUB_ID.match(source):
         raise ModelLoadError(f"The head folder {source} does not exist; pass a local folder or a Hugging Face repo id.")
-    patterns = list(HEAD_PATTERNS)
-    if allow_pickle:
-        patterns += ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+    patterns = list(HEAD_PATTERNS) + (list(pickles) if allow_pickle else [])
     try:
         hub = str(hub_cache(cache_dir)) if cache_dir is not None else None
         return Path(snapshot_download(repo_id=source, allow_patterns=patterns, cache_dir=hub))
@@ -148,15 +149,19 @@ def _resolve(source: str, allow_pickle: bool, cache_dir: Path | None) -> Path:
 
 
 def _read_config(folder: Path) -> dict:
-    path = folder / "config.json"
+    return read_json(folder / "config.json", "EAGLE head")
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A checkpoint's config.json as a dict, or a clear error."""
     if not path.is_file():
-        raise ModelLoadError(f"The head folder {folder} has no config.json; an EAGLE head needs one next to its weights.")
+        raise ModelLoadError(f"The folder {path.parent} has no {path.name}; {what} checkpoints need one next to their weights.")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"The head's {path} is not valid JSON ({err}); fix or re-download it.") from err
+        raise ModelLoadError(f"The {what}'s {path} is not valid JSON ({err}); fix or re-download it.") from err
     if not isinstance(raw, dict):
-        raise ModelLoadError(f"The head's {path} is not a JSON object; fix or re-download it.")
+        raise ModelLoadError(f"The {what}'s {path} is not a JSON object; fix or re-download it.")
     return raw
 
 
@@ -175,27 +180,35 @@ def _weight_files(folder: Path, single: str, index: str) -> list[Path]:
 
 
 def _read_weights(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
-    if files := _weight_files(folder, "model.safetensors", "model.safetensors.index.json"):
+    return read_weights(folder, allow_pickle, "model.safetensors", "pytorch_model.bin")
+
+
+def read_weights(folder: Path, allow_pickle: bool, single: str, pickled: str) -> dict[str, torch.Tensor]:
+    """The state dict in `single` (safetensors, or shards named by its .index.json), else, where the user
+    allows pickles, in `pickled` (or its shards)."""
+    if files := _weight_files(folder, single, f"{single}.index.json"):
         try:
             return {k: t for f in files for k, t in load_file(str(f)).items()}
         except (SafetensorError, OSError) as err:
             raise ModelLoadError(f"The head weights in {folder} could not be read ({err}); re-download them.") from err
-    pickles = _weight_files(folder, "pytorch_model.bin", "pytorch_model.bin.index.json")
+    pickles = _weight_files(folder, pickled, f"{pickled}.index.json")
     if not pickles:
-        hint = "" if allow_pickle else ", or if the head ships only pytorch_model.bin rerun with --allow-pickle"
-        raise ModelLoadError(f"No head weights (model.safetensors) were found in {folder}; pass a folder that has them{hint}.")
+        hint = "" if allow_pickle else f", or if the head ships only {pickled} rerun with --allow-pickle"
+        raise ModelLoadError(f"No head weights ({single}) were found in {folder}; pass a folder that has them{hint}.")
     if not allow_pickle:
-        raise ModelLoadError(f"The head in {folder} ships only pickle weights (pytorch_model.bin); "
+        raise ModelLoadError(f"The head in {folder} ships only pickle weights ({pickled}); "
                              "rerun with --allow-pickle to load them, read as plain tensors only.")
-    state = {}
-    for f in pickles:
-        try:
-            part = torch.load(f, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
-            raise ModelLoadError(f"The head weights {f} could not be read as plain tensors ({err}); use a safetensors copy.") from err
-        if not isinstance(part, dict) or not all(isinstance(t, torch.Tensor) for t in part.values()):
-            raise ModelLoadError(f"The head weights {f} are not a plain state dict of tensors; use a safetensors copy.")
-        state |= part
+    return {k: t for f in pickles for k, t in read_pickled(f).items()}
+
+
+def read_pickled(path: Path) -> dict[str, torch.Tensor]:
+    """A pickled state dict, read as plain tensors only (weights_only: no code runs)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+        raise ModelLoadError(f"The head weights {path} could not be read as plain tensors ({err}); use a safetensors copy.") from err
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ModelLoadError(f"The head weights {path} are not a plain state dict of tensors; use a safetensors copy.")
     return state
 
 

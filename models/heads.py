@@ -331,3 +331,12 @@ def build_head(config: HeadConfig, target_embed: nn.Module, target_lm_head: nn.M
     if config.kind == "eagle1":
         return Eagle1Head(config, target_embed, target_lm_head)
     return Eagle3Head(config, target_embed)
+
+
+def vocab_rows(lm_head: nn.Module, ids: torch.Tensor | None) -> nn.Linear:
+    """A Linear over the rows of the target's LM head for the token ids (Vd,) (all of them for None):
+    a draft vocabulary's logits, reading Vd rows instead of the whole vocabulary's."""
+    weight = lm_head.weight if ids is None else lm_head.weight[ids.to(lm_head.weight.device)]    # (Vd, H)
+    rows = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    rows.weight.data = weight.detach().contiguous()
+    return rows

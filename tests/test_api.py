@@ -95,7 +95,7 @@ def test_streaming_sends_chunks_then_stats_usage_and_done():
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": USER, "aerie": "plain"}, "aerie"),
-    ({"messages": USER, "aerie": {"strategy": "medusa"}}, "aerie.strategy"),
+    ({"messages": USER, "aerie": {"strategy": "jacobi"}}, "aerie.strategy"),
     ({"messages": USER, "aerie": {"strategy": "plain", "tree": 4}}, "aerie.tree"),
 ])
 def test_bad_requests_are_400_in_openai_shape(body, param):

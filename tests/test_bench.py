@@ -109,3 +109,25 @@ def test_limit_picks_round_robin_across_categories(tmp_path):
     # each category's first prompt, then each one's second, in file order; a short category runs out
     assert [p.text for p in load_prompts(path, None)] == ["a1", "b1", "c1", "a2", "c2", "a3"]
     assert [p.text for p in load_prompts(path, 4)] == ["a1", "b1", "c1", "a2"]
+
+
+def test_bench_races_medusa_heads_shaped_by_the_tuner(tiny_dir, cache_dir, tmp_path):
+    """Medusa heads in FasterDecoding's layout, next to a random EAGLE head: raced losslessly, each
+    prompt's tree the tuner's choice from Medusa's own acceptance (reported per prompt)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from models.medusa import MedusaConfig, MedusaHeads
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    torch.manual_seed(1)
+    heads = MedusaHeads(MedusaConfig(3, 1, config.hidden_size, config.vocab_size))
+    save_file({k.removeprefix("heads."): t for k, t in heads.state_dict().items()}, str(tmp_path / "medusa_lm_head.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random",
+                      medusa=str(tmp_path), compile=False)
+    report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=2, max_new=8, strategies=("medusa", "eagle"))
+    medusa = report["strategies"]["medusa"]
+    assert medusa["lossless"] and medusa["heads"] == 3 and sum(medusa["trees_used"].values()) == 2
+    assert set(medusa["round_ms"]) == {"draft", "verify", "commit"}

@@ -45,12 +45,15 @@ ENGINES = {
 }
 
 
+# (prompt, new tokens) per seed: a repetitive prompt, one token, a long one
+GREEDY_CASES = [(REPETITIVE, 60), ([3], 9), (list(range(40, 73)), 45)]
+
+
 @pytest.mark.parametrize("name", ENGINES)
 @pytest.mark.parametrize("seed", range(3))
 def test_greedy_output_is_plain_decodings(name, seed):
     model = tiny_llama(seed=seed, layers=4)
-    prompt = [REPETITIVE, [3], list(range(40, 73))][seed]
-    cfg = SamplingConfig(max_new_tokens=[60, 9, 45][seed])
+    prompt, cfg = GREEDY_CASES[seed][0], SamplingConfig(max_new_tokens=GREEDY_CASES[seed][1])
     plain = run(Engine(tiny_target(model)), prompt, cfg)
     steps = list(ENGINES[name](tiny_target(model)).generate(prompt, cfg))
     assert [t for s in steps for t in s.new_ids] == plain
@@ -98,8 +101,13 @@ def test_sampled_output_follows_the_target_distribution(make):
     prompt each time, so lookahead's pool and prompt lookup's index offer drafts the target takes
     (the assert on accepted rounds checks they did)."""
     model = tiny_llama(vocab_size=4, seed=5, layers=4)
+    assert_sampling_follows_the_target(make(tiny_target(model)), model)
+
+
+def assert_sampling_follows_the_target(engine: Engine, model) -> None:
+    """Chi-square (15 degrees of freedom) of the first two tokens of 1500 seeded answers against the
+    exact P(t1) P(t2 | t1) of the 4-token `model`; some drafts must have been accepted."""
     prompt, temperature = [1, 2, 3, 1, 2, 3, 1, 2], 1.5
-    engine = make(tiny_target(model))
     counts = first_two_counts(engine, prompt, 1500, temperature)
     accepted = sum(s.accepted for s in engine.generate(prompt, SamplingConfig(temperature=temperature, seed=0,
                                                                                max_new_tokens=40)))
@@ -113,7 +121,13 @@ def test_sampled_output_follows_the_target_distribution(make):
 @pytest.mark.parametrize("make", [lambda t: lookahead(t), lambda t: layer_skip(t)], ids=["lookahead", "layer_skip"])
 def test_a_stopped_generation_leaves_the_engine_reusable(make):
     model = tiny_llama(seed=3, layers=4)
-    engine, cancel = make(tiny_target(model)), threading.Event()
+    assert_reusable_after_a_stop(make(tiny_target(model)), model)
+
+
+def assert_reusable_after_a_stop(engine: Engine, model) -> None:
+    """DESIGN invariant 4: stopped after 3 rounds, the engine answers as plain decoding does, and a
+    new chat with the same seed gives the same sampled text."""
+    cancel = threading.Event()
     for i, _ in enumerate(engine.generate(REPETITIVE, SamplingConfig(max_new_tokens=50), cancel)):
         if i == 2:
             cancel.set()

@@ -13,8 +13,8 @@ from core.tune.probe import Probe
 from core.tune.remembered import REMEMBERED, acceptance_path, keep, recall
 from core.tune.latency import LatencyProfile, interpolate, monotone
 from core.spec.tree import make_tree
-from core.tune.tuner import (MIN_DRAFTS, PositionalAcceptance, PROBE_EVERY, Meter, Pins, Tuner, Turn, best_shape, node_values,
-                              prior_table)
+from core.tune.tuner import (MIN_DRAFTS, PositionalAcceptance, PROBE_EVERY, Meter, Pins, TreeRival, Tuner, Turn, best_shape,
+                              node_values, prior_table)
 from core.spec.verify import Acceptance as Accepted, path_offers
 from tests.fakes import FakeNvml
 
@@ -322,6 +322,47 @@ def test_a_rival_must_beat_eagles_prediction():
     assert plan.rung == "tree" and plan.predicted > 1.1
     t.record(Turn("layer_skip", 64, 64 * t.profile.plain_ms(100) / 1000 / 9.0, t.profile.plain_ms(100)))
     assert t.plan(100).rung == "layer_skip"
+
+
+class Reshaped:
+    """A drafter that only remembers the shape it was given."""
+    tree = None
+
+    def reshape(self, tree):
+        self.tree = tree
+
+
+def medusa_tuner(alphas, eagle_alphas=(0.7, 0.6), prof=GPU, level_ms=0.5) -> Tuner:
+    rival = TreeRival(PositionalAcceptance(prior_table(alphas)), max_depth=2, fixed_ms=0.2, level_ms=level_ms)
+    drafters = {"plain": None, "prompt_lookup": None, "eagle": None, "medusa": Reshaped()}
+    return Tuner(prof, PositionalAcceptance(prior_table(eagle_alphas)), Pins(), drafters, max_size=96,
+                 tree_rivals={"medusa": rival})
+
+
+def test_medusas_tree_is_shaped_from_its_own_acceptance_within_its_heads():
+    """The tree a raced or asked Medusa answer drafts is best_shape's on Medusa's own acceptance and
+    draft cost, no deeper than its heads reach; its rounds teach that acceptance, not EAGLE's."""
+    t = medusa_tuner((0.8, 0.8, 0.8))
+    t.ready("medusa", 100)
+    deep = t.drafters["medusa"].tree
+    assert deep.depth == 2 and deep.total_tokens > 8          # a GPU verifies big trees for nearly free
+    eagle_before = t.acceptance.q().clone()
+    for _ in range(200):
+        t.observe_round("medusa", ((10, -1),))                # the first head's guesses never taken
+    assert torch.equal(t.acceptance.q(), eagle_before)
+    t.ready("medusa", 100)
+    assert t.drafters["medusa"].tree.total_tokens < deep.total_tokens
+
+
+def test_medusa_is_planned_where_its_prediction_beats_the_ladders_until_it_measures_slow():
+    t = medusa_tuner((0.95, 0.95, 0.95), eagle_alphas=(0.3,))
+    plan = t.plan(100)
+    assert plan.rung == "medusa" and plan.predicted > 1.05 and "Medusa heads" in plan.reason
+    t.prepare(SimpleNamespace(set_drafter=lambda d: None), 100)
+    assert t.drafters["medusa"].tree is not None
+    slow_turn(t, 0.9, "medusa")                               # its answers say otherwise
+    assert t.plan(100).rung == "tree"
+    assert medusa_tuner((0.2,), eagle_alphas=(0.7, 0.6)).plan(100).rung == "tree"   # EAGLE predicted faster
 
 
 def test_plan_reason_is_one_line_with_the_numbers():

@@ -238,7 +238,7 @@ def test_format_stats_shows_the_measured_speedup():
 
 @pytest.mark.parametrize("drafter, shown", [
     ("eagle", "EAGLE head"), ("prompt_lookup", "prompt lookup"), ("plain", "plain decoding"),
-    ("medusa", "medusa"),  # a name this version does not know shows as it is
+    ("jacobi", "jacobi"),  # a name this version does not know shows as it is
 ])
 def test_the_header_names_the_drafter_for_people(drafter, shown):
     from app import model_panel

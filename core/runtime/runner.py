@@ -90,6 +90,9 @@ class RunnerConfig:
     # Exact attention on models/attention.py's kernel over an fp32 cache (the caller loaded it);
     # False: fp64 SDPA over an fp64 cache. Only where `exact` applies.
     row_attention: bool = False
+    # A simulated slow target (bench --verify-delay-ms): every prefill and verify waits this long, the
+    # same for any size, as an offloaded target's weight transfer would (plain decoding's too).
+    verify_delay_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ class TargetRunner:
         offloaded = bool(getattr(target.model, "hf_device_map", None)) and len(set(target.model.hf_device_map.values())) > 1
         self.buckets = tuple(sorted(config.buckets or (CUDA_BUCKETS if cuda else CPU_BUCKETS)))
         self.wants_graphs = config.compile and not offloaded  # accelerate's offload hooks move weights per call
+        # ...so an offloaded target verifies a tree in one forward, however big (SpecExec's trees):
+        # chunks of the largest bucket would each move every offloaded weight again.
+        self.one_forward = offloaded
+        self.delay_s = config.verify_delay_ms / 1000
         self.context_len = min(target.context_len, config.context)
         # Exact attention: with bf16 activations (the int4/int8 kernels) a tree's verify and one
         # token's would differ by fp32 summation order in attention, which the next bf16 rounding
@@ -145,6 +152,8 @@ class TargetRunner:
         tree must equal one token at a time, and every strategy prefills the same way (a 2,048-token
         prompt, 2-core Xeon: fp64 attention took 39% of the prefill)."""
         self.truncate(start)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         features = []
         for lo in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[lo: lo + PREFILL_CHUNK]
@@ -164,13 +173,17 @@ class TargetRunner:
                outputs: torch.Tensor | None = None) -> Verified:
         """tokens (n,) at positions L + depth (n,), visible (n, n) bool (a tree's ancestor mask):
         forwards of the smallest bucket that holds them (a tree beyond the largest bucket goes in
-        chunks of it, each seeing the chunks before); -> logits and features of the n rows, or of
-        the rows `outputs` (k,) only, in that order (the LM head runs on those alone)."""
+        chunks of it, each seeing the chunks before; in one forward where the target is offloaded);
+        -> logits and features of the n rows, or of the rows `outputs` (k,) only, in that order (the
+        LM head runs on those alone)."""
         n, length, largest = tokens.shape[0], self.length, self.buckets[-1]
-        padded_n = n if n <= largest else -(-n // largest) * largest
+        padded_n = n if n <= largest or self.one_forward else -(-n // largest) * largest
         padded_n = next((b for b in self.buckets if b >= padded_n), padded_n)
         if length + padded_n > self.capacity:
             raise ValueError(f"a {n}-token verify after {length} tokens overflows the {self.capacity}-row cache")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        chunk = padded_n if self.one_forward else largest
         token_ids = torch.zeros(padded_n, dtype=torch.long, device=self.device)
         token_ids[:n] = tokens.to(self.device)
         positions = torch.full((padded_n,), length, dtype=torch.long, device=self.device)
@@ -178,8 +191,8 @@ class TargetRunner:
         seen = torch.eye(padded_n, dtype=torch.bool, device=self.device)  # padding rows see only themselves
         seen[:n, :n] = visible.to(self.device)
         hidden, features = [], []
-        for lo in range(0, padded_n, largest):
-            hi = min(lo + largest, padded_n)
+        for lo in range(0, padded_n, chunk):
+            hi = min(lo + chunk, padded_n)
             # Fresh (1, b) tensors: a view into the longer buffer would have other strides, a new graph.
             h, f = self.graph(hi - lo)(token_ids[lo:hi].clone()[None], positions[lo:hi].clone()[None],
                                        self.mask(seen[lo:hi, :hi], length))
@@ -190,6 +203,13 @@ class TargetRunner:
         logits = self.target.model.get_output_embeddings()(hidden).float()                            # (n, V)
         self.verified_at, self.length = length, length + padded_n
         return Verified(logits, None if self.feature_layers is None else torch.cat(features)[rows])  # cat copies
+
+    @property
+    def rows_left(self) -> int:
+        """The most tree rows a verify can hold now, as `verify` pads them: the cache's free rows, in
+        whole chunks of the largest bucket beyond it (the engine trims a bigger tree to them)."""
+        free, largest = self.capacity - self.length, self.buckets[-1]
+        return free if self.one_forward or free <= largest else free // largest * largest
 
     @torch.inference_mode()
     def side_forward(self, decoder, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,

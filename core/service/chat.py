@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
-from core.config import DRAFTERS, TUNED, ModelChoice, ReplyEvent, ReplyStats, SamplingConfig
+from core.config import DRAFTERS, TUNED, ModelChoice, ReplyEvent, SamplingConfig
 from core.errors import AerieError, ModelLoadError, StrategyUnavailableError
 from core.service.factory import layer_skip_drafter, tune
 from core.service.switching import SwitchReport, fetch, process_bytes, release
@@ -201,8 +201,7 @@ class ChatService:
         else:
             reason = f"{strategy} for this answer, as asked (not the tuner's choice, not counted as its turn)"
         self.engine.set_drafter(self._drafter(strategy))
-        stats = ReplyStats(strategy=self.engine.drafter.name, prompt_tokens=prompt_len, tuning=reason)
-        return TurnLog.start(stats, self.tuner, counted=False)
+        return TurnLog.asked(self.engine, self.tuner, prompt_len, reason)
 
     @property
     def drafters(self) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from core.runtime.graphs import GraphJob, build, compiled_all
 from core.spec.drafters import PlainDrafter, PromptLookupDrafter
 from core.spec.eagle import EagleDrafter
 from core.spec.layer_skip import LayerSkipDrafter
+from core.spec.medusa import MedusaDrafter
 from core.spec.lookahead import LookaheadConfig, LookaheadDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
@@ -32,16 +33,17 @@ from core.tune.probe import Probe, load_nvml
 from core.files import stored
 from core.text import render_prompt
 from core.tune.skip import SkipChoice, choose_skip
-from core.tune.latency import (LARGE_SIZES, SIZES, LatencyProfile, cached_profile, head_identity, measure_profile, profile_key,
-                               profile_mismatch)
+from core.tune.latency import (LARGE_SIZES, SIZES, LatencyProfile, cached_profile, head_identity, level_costs, measure_profile,
+                               profile_key, profile_mismatch, time_rerank)
 from core.tune.remembered import acceptance_path, keep, recall
-from core.tune.tuner import Pins, PositionalAcceptance, Tuner, prior_table
+from core.tune.tuner import Pins, PositionalAcceptance, TreeRival, Tuner, prior_table
 from models import attention, q4_rows
 from models.amx import source_digest as amx_source_digest
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
 from models.head_config import head_config_for_target
 from models.native import NativeUnavailable
 from models.heads import build_head
+from models.medusa import load_medusa
 from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
@@ -57,6 +59,7 @@ class EngineSpec:
     cache_dir: Path = LoadSpec.cache_dir
     head: str | None = None           # Hub id, folder, "random" (a random EAGLE-1 head), or None
     allow_pickle: bool = False        # allow a head's pytorch_model.bin (pickle) when no safetensors
+    medusa: str | None = None         # Medusa heads: Hub id or folder (FasterDecoding's layout or Aerie's), or None
     strategy: str = "auto"            # auto = eagle with a head, prompt lookup without
     tree: TreeConfig | None = None    # the EAGLE tree before the tuner's first plan; None = the device's default
     pins: Pins = Pins()               # what the user fixed; the tuner chooses the rest
@@ -65,12 +68,16 @@ class EngineSpec:
     # A CPU int4/int8 target's attention: one of models/quants.py ATTENTIONS (auto: `rows_alone`, core/tune/kernels.py).
     attention: str = "auto"
     kernel_mix: bool = False          # trees may run on another 4-bit kernel than one token (--kernel-mix)
+    verify_delay_ms: float = 0.0      # a simulated slow target (bench --verify-delay-ms): SpecExec's regime on a CPU
 
 
 # The tree of an engine built without a tuner (the bench's fixed strategies, tests), and the first drafter's before
 # the tuner's first plan. Measured on the 2-core CPU (oneDNN linears): one level of 4 siblings won a
 # grid of 6 shapes; on a GPU a verify costs nearly the same for 1 or 60 tokens: EAGLE-2's own trees.
 DEFAULT_TREES = {"cpu": TreeConfig(depth=0, top_k=4, total_tokens=5), "cuda": TreeConfig(depth=5, top_k=8, total_tokens=48)}
+# Medusa's tree per device: its heads' guesses, best-first (core/spec/medusa.py). On a 2-core CPU a verified token
+# costs ~1 ms more per row from 2 rows on, so a chain of two; on a GPU Medusa's own 63-node sparse tree's size.
+MEDUSA_TREES = {"cpu": TreeConfig(depth=1, top_k=1, total_tokens=3), "cuda": TreeConfig(depth=3, top_k=8, total_tokens=64)}
 
 
 def default_tree(device: torch.device) -> TreeConfig:
@@ -154,8 +161,18 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: 
                      and row_attention(target, spec.cache_dir, report))
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter(),
                 "lookahead": LookaheadDrafter(LOOKAHEADS.get(target.device.type, LOOKAHEADS["cpu"]))}
+    head_weights = kernels.head if kernels else "int8"
     if strategy == "eagle":
-        drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), kernels.head if kernels else "int8")
+        drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), head_weights)
+    last = target.model.config.get_text_config().num_hidden_layers   # Medusa reads the last layer's output
+    features = drafters["eagle"].feature_layers if "eagle" in drafters else (last,) if spec.medusa else None
+    if spec.medusa and last in features:
+        drafters["medusa"] = medusa_drafter(target, spec, features, head_weights)
+    elif spec.medusa:
+        report(f"Aerie: the Medusa heads read the target's last layer, which this EAGLE-3 head's engine does not "
+               f"capture (layers {list(features)}): no Medusa drafter beside it.")
+    if strategy == "medusa" and "medusa" not in drafters:
+        raise UnsupportedModelError("--strategy medusa needs Medusa heads for this model (--medusa), beside no EAGLE-3 head.")
     # oneDNN's prepacked fp32 linears compiled through MKL instead ran slower than eager oneDNN (25 vs
     # 42 tokens/s here): an fp32 CPU model stays eager. bitsandbytes' 4-bit layers on a CPU broke
     # inside inductor's code (an assert_size_stride after 305 s of compiling): they run eagerly too.
@@ -164,8 +181,9 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: 
         report("Aerie: nf4 runs eagerly on a CPU: bitsandbytes' 4-bit layers do not compile here "
                "(--quant int4, the CPU default, does).")
     runner = TargetRunner(target, RunnerConfig(compile=spec.compile and not onednn and not nf4_cpu,
+                                               verify_delay_ms=spec.verify_delay_ms,
                                                buckets=cpu_buckets(kernels), row_attention=rows),
-                          drafters["eagle"].feature_layers if "eagle" in drafters else None)
+                          features)
     engine = Engine(target, drafters.get("eagle", drafters["prompt_lookup"]), runner)
     if not (runner.wants_graphs and target.device.type == "cpu"):
         return Staged(spec, engine, drafters, placement, onednn, kernels, None)
@@ -205,8 +223,13 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
         used += f", {kernels.describe()}"
     if runner.row_attention:
         used += f", row attention {attention.source_digest(cpu_flags())}"
+    # A slow target (offloaded, or slowed on purpose) is SpecExec's regime: big best-first trees may
+    # pay, so the profile also times large trees (those that fit half the context).
+    slow = offloaded or spec.verify_delay_ms > 0
+    sizes = SIZES + tuple(n for n in LARGE_SIZES[len(SIZES):] if n <= engine.context_len // 2) if slow else SIZES
+    if slow:
+        used += f", sizes to {sizes[-1]}" + (f", verify delay {spec.verify_delay_ms:g} ms" if spec.verify_delay_ms else "")
     key = profile_key(engine, spec.head, used, offloaded)
-    sizes = LARGE_SIZES if offloaded else SIZES
     profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes),
                                      lambda stored: profile_mismatch(engine, stored))
     alphas = head_training_record(spec.head).get("val", {}).get("alphas") if "eagle" in drafters else None
@@ -219,8 +242,19 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
         acceptance, keeper = recall(path, acceptance.prior), functools.partial(keep, path)
     if spec.strategy == "layer_skip":   # measured on first use only: a minute on 2 cores for the embedded model
         drafters["layer_skip"] = layer_skip_drafter(engine, profile, spec.cache_dir)
-    tuner = Tuner(profile, acceptance, pins, drafters, max_size=max_size, keep=keeper)
+    rivals = {"medusa": medusa_rival(drafters["medusa"], engine, spec.medusa)} if "medusa" in drafters else {}
+    tuner = Tuner(profile, acceptance, pins, drafters, max_size=max_size, keep=keeper,
+                  best_first=slow and "eagle" in drafters, tree_rivals=rivals)
     return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, kernels)
+
+
+def medusa_rival(drafter: MedusaDrafter, engine: Engine, source: str) -> TreeRival:
+    """Medusa for the tuner: acceptance from its heads' held-out chain (train.json), a draft's cost
+    timed now on this machine (a few ms: one and all of its levels)."""
+    alphas = head_training_record(source).get("val", {}).get("alphas")
+    levels = drafter.heads.config.num_heads
+    fixed, level = level_costs(drafter, engine, levels)   # chains: a tree adds its rerank
+    return TreeRival(PositionalAcceptance(prior_table(alphas)), levels - 1, fixed, level, time_rerank())
 
 
 def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None) -> Path:
@@ -394,9 +428,27 @@ def make_drafter(target: Target, spec: EngineSpec, head_weights: str = "int8"):
     draft_vocab = None if spec.head == "random" else load_draft_vocab(spec.head, target.model.config.get_text_config().vocab_size)
     tree = spec.tree or default_tree(target.device)
     drafter = EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, tree, draft_vocab)
-    if target.quant in CPU_QUANTS:  # a CPU target on small weights: its drafter too (core/tune/kernels.py HEAD_WEIGHTS)
+    return shrunk(drafter, target, head_weights, spec.cache_dir)
+
+
+def medusa_drafter(target: Target, spec: EngineSpec, features: tuple[int, ...], head_weights: str) -> MedusaDrafter:
+    """The Medusa heads `spec` names, drafting the device's MEDUSA_TREES shape (no deeper than the heads
+    reach) until the tuner shapes its trees, on the EAGLE head's CPU weights."""
+    heads, vocab = load_medusa(spec.medusa, target.model.config, allow_pickle=spec.allow_pickle, dtype=target.dtype,
+                               device=target.device, cache_dir=spec.cache_dir)
+    tree = MEDUSA_TREES.get(target.device.type, MEDUSA_TREES["cpu"])
+    tree = replace(tree, depth=min(tree.depth, heads.config.num_heads - 1))
+    drafter = MedusaDrafter(heads, features, target.model.config.get_text_config().num_hidden_layers, tree, vocab,
+                            target.model.get_output_embeddings())
+    return shrunk(drafter, target, head_weights, spec.cache_dir)
+
+
+def shrunk(drafter, target: Target, head_weights: str, cache_dir: Path):
+    """A CPU target on small weights drafts on small weights too (core/tune/kernels.py HEAD_WEIGHTS);
+    drafts only: the target checks every token."""
+    if target.quant in CPU_QUANTS:
         if head_weights == "q4_rows":
-            load_kernel("rows", spec.cache_dir)
+            load_kernel("rows", cache_dir)
         drafter.shrink(head_weights)
     return drafter
 

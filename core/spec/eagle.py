@@ -12,6 +12,8 @@ One round of drafting (eagle.md 4.1), with H the head's hidden size and Vd its v
   2. expand `depth` times: feed the top_k frontier nodes together, each paired with its parent's
      head output, each seeing only its own ancestors; every node proposes top_k children;
   3. rerank the whole pool by cumulative log-probability and keep total_tokens - 1 nodes.
+With `best_first` (a slow target), steps 2-3 are SpecExec's instead: up to `depth` head steps, each
+feeding the top_k best unexpanded nodes of the pool's best total_tokens - 1 (core/spec/specexec.py).
 
 It knows nothing about text; it sees token ids, target features and the head.
 """
@@ -24,9 +26,11 @@ from core.config import PLANNED_CONTEXT
 from core.config import TreeConfig
 from core.runtime.head_step import HeadStep
 from core.runtime.memory import storage, tensor_bytes
+from core.spec.specexec import BRANCH, HeadFeed, grow_best_first
 from core.spec.tree import Draft, DraftTree, chain_tree, expand_frontier, make_tree, rerank, static_shape
 from models.cpu_quant import quantize_cpu, quantized
 from models.errors import UnsupportedModelError
+from models.heads import vocab_rows
 
 RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tune/tuner.py RANKS)
 
@@ -44,11 +48,8 @@ class EagleDrafter:
         self.vocab_ids, self.vocab_head = None, None
         if draft_vocab is not None:
             assert head.config.kind == "eagle1", "an EAGLE-3 head carries its own draft vocabulary"
-            weight = head.target.lm_head.weight
-            self.vocab_ids = draft_vocab.to(weight.device)
-            self.vocab_head = torch.nn.Linear(weight.shape[1], len(self.vocab_ids), bias=False, device=weight.device,
-                                              dtype=weight.dtype)
-            self.vocab_head.weight.data = weight[self.vocab_ids].contiguous()   # (Vd, H)
+            self.vocab_ids = draft_vocab.to(head.target.lm_head.weight.device)
+            self.vocab_head = vocab_rows(head.target.lm_head, self.vocab_ids)   # (Vd, H)
         self.feature_layers = head.feature_layers(num_target_layers)
         self.step = HeadStep(head, self.log_probs, context)  # eager until graphs are adopted
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
@@ -127,7 +128,10 @@ class EagleDrafter:
         return out[-1], logp[0]
 
     def grow(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
-        """EAGLE-2's dynamic tree from the root's head output and its log-probs (a chain for top_k 1)."""
+        """EAGLE-2's dynamic tree from the root's head output and its log-probs (a chain for top_k 1),
+        or SpecExec's best-first tree (`best_first`: a slow target's big trees)."""
+        if self.tree.best_first:
+            return self.grow_best_first(root, root_out, root_logp)
         if self.tree.top_k == 1:
             return self.grow_chain(root, root_out, root_logp)
         return self.grow_tree(root, root_out, root_logp)
@@ -155,6 +159,15 @@ class EagleDrafter:
             frontier_pool = base + expansion.frontier
         return rerank(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens), root,
                       self.tree.total_tokens)
+
+    def grow_best_first(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
+        """SpecExec's tree (core/spec/specexec.py): the best total_tokens - 1 nodes by cumulative
+        log-prob, grown in at most `depth` head steps of `top_k` nodes each (reshape keeps
+        depth x top_k within the head cache's draft rows, `step.room`)."""
+        t = self.tree
+        feed = HeadFeed(self.step, self.head_len, root_out, self.to_target_ids)
+        pool = grow_best_first(root_logp, feed, t.total_tokens - 1, t.top_k, BRANCH, t.depth)
+        return rerank(pool.scores, pool.parents, self.to_target_ids(pool.tokens), root, t.total_tokens)
 
     def grow_chain(self, root: int, out: torch.Tensor, logp: torch.Tensor) -> DraftTree:
         """EAGLE-2 with top_k 1: each level's best child. Scores only fall along a chain, so the

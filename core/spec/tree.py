@@ -143,6 +143,12 @@ def chain_tree(root_token: int, draft_tokens: Sequence[int]) -> DraftTree:
     return make_tree([root_token, *draft_tokens], [-1, *range(n)])
 
 
+def first_nodes(tree: DraftTree, n: int) -> DraftTree:
+    """The tree's first n >= 1 nodes: still a tree, since parents come first. What a verify holds
+    when the cache has room for no more (near the end of the context)."""
+    return tree if tree.size <= n else make_tree(tree.tokens[:n], tree.parents[:n])
+
+
 def children(tree: DraftTree) -> list[list[int]]:
     """children(tree)[i] = the child node indices of node i, in index order."""
     kids: list[list[int]] = [[] for _ in range(tree.size)]

@@ -18,8 +18,10 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from core.files import written_whole
@@ -33,6 +35,7 @@ from models.heads import KINDS, EagleHead
 from models.target import Target
 
 CHECKPOINT = "checkpoint.pt"
+TRAIN_KINDS = (*KINDS, "medusa")   # EAGLE heads (this module) and Medusa heads (core/train/medusa.py)
 RUN_CONTROL = ("save_every", "eval_every", "log_every", "stop_at_step", "time_limit_s", "threads")  # may change on resume
 
 
@@ -57,6 +60,9 @@ class TrainConfig:
     replay: float = 0.0                # a row the head's chain reaches and the target rejects weighs 1 + this
     flattest: float | None = None      # train on this share of the conversations, those the target is least sure of
     fc_norm: bool = False              # eagle1: EAGLE-3.1's RMSNorm on each of fc's inputs
+    medusa_heads: int = 4              # medusa: heads, guessing 2..K+1 tokens ahead
+    medusa_layers: int = 1             # medusa: ResBlocks per head
+    medusa_own_projection: bool = False  # medusa: each head its own projection (Medusa-1's), not the target's LM head
     eval_depth: int = 4                # depths of the validation chain
     init_layer: int | None = None      # copy this target decoder layer into the head's (-1 = the last)
     init_head: str | None = None       # start from this trained head's weights (a folder): more data, warm
@@ -69,8 +75,8 @@ class TrainConfig:
     threads: int | None = None         # CPU threads; 1 can beat 2 on a 2-core machine someone else is using
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise UnsupportedModelError(f"Unknown head kind '{self.kind}': choose one of {', '.join(KINDS)}.")
+        if self.kind not in TRAIN_KINDS:
+            raise UnsupportedModelError(f"Unknown head kind '{self.kind}': choose one of {', '.join(TRAIN_KINDS)}.")
         if self.kind == "eagle1" and self.draft_vocab is not None:
             raise UnsupportedModelError("A reduced draft vocabulary needs an EAGLE-3 head (--kind eagle3); "
                                         "EAGLE-1 heads use the target's own LM head.")
@@ -78,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"Unknown objective '{self.objective}': choose one of {', '.join(OBJECTIVES)}.")
         if self.replay < 0 or (self.flattest is not None and not 0 < self.flattest <= 1):
             raise ValueError(f"--replay must be >= 0 and --flattest in (0, 1], not {self.replay} and {self.flattest}")
+        if self.medusa_heads < 1 or self.medusa_layers < (0 if self.medusa_own_projection else 1):
+            raise ValueError("Medusa heads need --medusa-heads >= 1 and, sharing the model's LM head, --medusa-layers >= 1.")
         if self.epochs < 1 or self.steps < 1 or self.batch_tokens < 2:
             raise ValueError(f"bad training config {self}")
 
@@ -120,21 +128,35 @@ class Progress:
     history: list = field(default_factory=list)   # validation results
 
 
+@dataclass(frozen=True)
+class Trainee:
+    """What `fit` trains: the module, its loss on a batch, its held-out numbers, and how a snapshot is saved."""
+    module: nn.Module
+    loss: Callable[[Batch, torch.Generator], tuple[torch.Tensor, dict]]
+    evaluate: Callable[[FeatureSet], dict]
+    save: Callable[[Path], None]
+
+
+def eagle_trainee(head: EagleHead, cfg: TrainConfig, run: Run) -> Trainee:
+    def loss(batch: Batch, rng: torch.Generator) -> tuple[torch.Tensor, dict]:
+        return losses(head, unroll(head, batch, cfg.steps, run.noise_amp, rng), batch, cfg.loss_weights, run.vocab)
+    return Trainee(head, loss, lambda valset: evaluate(head, valset, cfg, run), lambda out: save_head(head, out))
+
+
 def autocast(run: Run):
     return torch.autocast(run.device.type, dtype=run.amp or torch.float32, enabled=run.amp is not None)
 
 
-def train_step(head: EagleHead, opt: torch.optim.Optimizer, batch: Batch, cfg: TrainConfig, run: Run,
+def train_step(trainee: Trainee, opt: torch.optim.Optimizer, batch: Batch, cfg: TrainConfig, run: Run,
                lr: float, rng: torch.Generator) -> dict:
-    head.train()
+    trainee.module.train()
     for group in opt.param_groups:
         group["lr"] = lr
     with autocast(run):
-        loss, stats = losses(head, unroll(head, batch, cfg.steps, run.noise_amp, rng), batch, cfg.loss_weights,
-                             run.vocab)
+        loss, stats = trainee.loss(batch, rng)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+    torch.nn.utils.clip_grad_norm_(trainee.module.parameters(), cfg.grad_clip)
     opt.step()
     return stats
 
@@ -176,7 +198,7 @@ def result_config(cfg: TrainConfig) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k not in RUN_CONTROL}
 
 
-def save_checkpoint(path: Path, head: EagleHead, opt, rng: torch.Generator, progress: Progress,
+def save_checkpoint(path: Path, head: nn.Module, opt, rng: torch.Generator, progress: Progress,
                     cfg: TrainConfig, data_id: list[str]) -> None:
     state = {"head": head.state_dict(), "optimizer": opt.state_dict(), "noise_rng": rng.get_state(),
              "progress": asdict(progress), "config": result_config(cfg), "data": data_id}
@@ -184,7 +206,7 @@ def save_checkpoint(path: Path, head: EagleHead, opt, rng: torch.Generator, prog
         torch.save(state, tmp)
 
 
-def load_checkpoint(path: Path, head: EagleHead, opt, rng: torch.Generator, cfg: TrainConfig,
+def load_checkpoint(path: Path, head: nn.Module, opt, rng: torch.Generator, cfg: TrainConfig,
                     data_id: list[str]) -> Progress:
     state = torch.load(path, map_location="cpu", weights_only=True)
     saved = state["config"]
@@ -203,9 +225,10 @@ def load_checkpoint(path: Path, head: EagleHead, opt, rng: torch.Generator, cfg:
 
 # ---------------------------------------------------------------- the loop
 
-def fit(head: EagleHead, trainset: FeatureSet, valset: FeatureSet, cfg: TrainConfig, run: Run, out: Path,
+def fit(trainee: Trainee, trainset: FeatureSet, valset: FeatureSet, cfg: TrainConfig, run: Run, out: Path,
         resume: bool, data_id: list[str], deadline: float | None) -> tuple[Progress, bool]:
     """Train to the end of the last epoch, or until a stop condition; returns (progress, finished)."""
+    head = trainee.module
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     rng = torch.Generator().manual_seed(cfg.seed)
     progress = load_checkpoint(out / CHECKPOINT, head, opt, rng, cfg, data_id) if resume else Progress()
@@ -222,7 +245,7 @@ def fit(head: EagleHead, trainset: FeatureSet, valset: FeatureSet, cfg: TrainCon
         while progress.batch < len(batches):
             t0 = time.perf_counter()
             batch = make_batch(trainset, batches[progress.batch], run.device)
-            stats = train_step(head, opt, batch, cfg, run, lr_at(cfg, progress.step, total), rng)
+            stats = train_step(trainee, opt, batch, cfg, run, lr_at(cfg, progress.step, total), rng)
             progress.step, progress.batch = progress.step + 1, progress.batch + 1
             progress.positions += stats["positions"]
             progress.seconds += time.perf_counter() - t0
@@ -232,7 +255,7 @@ def fit(head: EagleHead, trainset: FeatureSet, valset: FeatureSet, cfg: TrainCon
                 log(out, progress, mean_stats(window), bar)
                 window = []
             if cfg.eval_every and progress.step % cfg.eval_every == 0:
-                validate(head, valset, cfg, run, out, progress)
+                validate(trainee, valset, out, progress)
             stop = progress.step == cfg.stop_at_step or (deadline is not None and time.time() > deadline)
             if stop or progress.step % cfg.save_every == 0:
                 save()
@@ -241,7 +264,7 @@ def fit(head: EagleHead, trainset: FeatureSet, valset: FeatureSet, cfg: TrainCon
                 return progress, False
         progress.epoch, progress.batch = progress.epoch + 1, 0
         if not (cfg.eval_every and progress.step % cfg.eval_every == 0):  # else just validated
-            validate(head, valset, cfg, run, out, progress)
+            validate(trainee, valset, out, progress)
         save()
     bar.close()
     return progress, True
@@ -261,27 +284,20 @@ def log(out: Path, progress: Progress, record: dict, bar: tqdm | None = None) ->
         bar.set_postfix(loss=f"{record.get('loss', 0):.3f}", acc0=f"{record.get('acc0', 0):.3f}")
 
 
-def validate(head: EagleHead, valset: FeatureSet, cfg: TrainConfig, run: Run, out: Path, progress: Progress) -> dict:
+def validate(trainee: Trainee, valset: FeatureSet, out: Path, progress: Progress) -> dict:
     """Held-out numbers, logged and kept in the history; the head is snapshotted for `launch.py bench`."""
-    result = evaluate(head, valset, cfg, run)
+    result = trainee.evaluate(valset)
     progress.history.append({"step": progress.step, "train_positions": progress.positions, **result})
     log(out, progress, {"val": result})
     tqdm.write(json.dumps({"val_step": progress.step, "epoch": progress.epoch, **result}))
-    save_head(head, out / "snapshots" / f"step-{progress.step:06d}")
+    trainee.save(out / "snapshots" / f"step-{progress.step:06d}")
     return result
 
 
 def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume: bool = False) -> dict:
     """The whole stage: data -> features -> training -> DIR/model.safetensors + config.json. Returns the summary."""
     t_start = time.time()
-    deadline = t_start + cfg.time_limit_s if cfg.time_limit_s else None
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if (out / CHECKPOINT).exists() != resume:
-        raise AerieError(f"{out} already has a training checkpoint; pass --resume to continue it, or pick a new --out."
-                         if resume is False else f"--resume: {out} has no {CHECKPOINT} to continue from.")
-    target.model.requires_grad_(False)
+    deadline = start_run(target, cfg, out, resume, t_start)
     train_convs, val_convs, dropped = conversations(target, data)
     head = new_head(target.model, cfg.kind, cfg.draft_vocab, cfg.init_layer, cfg.seed, [c.answer_ids for c in train_convs],
                     cfg.fc_norm)
@@ -299,7 +315,8 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     kept = load_draft_vocab(cfg.init_head, head.config.vocab_size) if cfg.init_head else None
     vocab = draft_vocab(head, [c.answer_ids for c in train_convs], kept)
     run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, vocab)
-    progress, finished = fit(head, trainset, valset, cfg, run, out, resume, [p.stem for p in train_paths], deadline)
+    progress, finished = fit(eagle_trainee(head, cfg, run), trainset, valset, cfg, run, out, resume,
+                             [p.stem for p in train_paths], deadline)
     save_head(head, out)
     if vocab.ids is not None:  # eagle1 over a big vocabulary: the tokens it trained (and drafts) on
         save_draft_vocab(out, vocab.ids.cpu())
@@ -309,6 +326,18 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
                "wall_s": round(time.time() - t_start, 1)}
     (out / "train.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def start_run(target: Target, cfg: TrainConfig, out: Path, resume: bool, t_start: float) -> float | None:
+    """The output folder checked against --resume, the threads set, the target frozen; -> the deadline."""
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if (out / CHECKPOINT).exists() != resume:
+        raise AerieError(f"{out} already has a training checkpoint; pass --resume to continue it, or pick a new --out."
+                         if resume is False else f"--resume: {out} has no {CHECKPOINT} to continue from.")
+    target.model.requires_grad_(False)
+    return t_start + cfg.time_limit_s if cfg.time_limit_s else None
 
 
 def conversations(target: Target, data: DataConfig) -> tuple[list, list, int]:

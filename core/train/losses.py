@@ -147,14 +147,22 @@ def draft_vocab(head: EagleHead, answers: list[tuple[int, ...]], kept: torch.Ten
     (ascending ids); the set is saved beside the head and drafted from at inference."""
     c = head.config
     if c.kind == "eagle1":
-        if kept is None and c.vocab_size <= EAGLE1_DRAFT_VOCAB:
-            return DraftVocab(None, None, None)
-        ids = (kept if kept is not None else frequent_tokens(answers, c.vocab_size, EAGLE1_DRAFT_VOCAB)).to(head.fc.weight.device)
-        return DraftVocab(column_index(ids, c.vocab_size), ids, head.target.lm_head.weight[ids].detach())
+        return frequent_vocab(head.target.lm_head.weight, answers, kept)
     if c.draft_vocab_size == c.vocab_size:
         return DraftVocab(None, None, None)
     return DraftVocab(column_index(head.to_target_ids(torch.arange(c.draft_vocab_size, device=head.d2t.device)),
                                    c.vocab_size), None, None)
+
+
+def frequent_vocab(lm_head: torch.Tensor, answers: list[tuple[int, ...]], kept: torch.Tensor | None = None) -> DraftVocab:
+    """Drafting through the target's LM head (V, H): over `kept` (a head's own draft vocabulary), else
+    the EAGLE1_DRAFT_VOCAB most frequent answer tokens (ascending ids), or the whole vocabulary where
+    it is no bigger (then no columns are picked: index, ids and weight None)."""
+    V = lm_head.shape[0]
+    if kept is None and V <= EAGLE1_DRAFT_VOCAB:
+        return DraftVocab(None, None, None)
+    ids = (kept if kept is not None else frequent_tokens(answers, V, EAGLE1_DRAFT_VOCAB)).to(lm_head.device)
+    return DraftVocab(column_index(ids, V), ids, lm_head[ids].detach())
 
 
 def column_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -196,14 +204,23 @@ def unroll(head: EagleHead, batch: Batch, steps: int, noise_amp: float, rng: tor
 
 def token_loss(head: EagleHead, hidden: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor,
                vocab: DraftVocab, objective: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden (M, H), teacher top-K ids/logits (M, K) -> per-row loss (M,), kept rows (M,), top-1 hit (M,).
+    """hidden (M, H), teacher top-K ids/logits (M, K) -> per-row loss (M,), kept rows (M,), top-1 hit (M,)."""
+    z = vocab.logits(head, hidden).float()                               # (M, Vd)
+    loss, kept = teacher_loss(z, ids, logits, vocab.index, objective)
+    hit = vocab.to_target(head, z.argmax(-1)) == ids[:, 0]
+    return loss, kept, hit
+
+
+def teacher_loss(z: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, index: torch.Tensor | None,
+                 objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits z (M, Vd), teacher top-K ids/logits (M, K), `index` target id -> column (V,) or
+    None (columns are target ids) -> per-row loss (M,), kept rows (M,).
     p is the teacher renormalised over the ids in the draft vocabulary; a row whose teacher argmax
     is outside it is not kept. log q = z - logsumexp(z) over the draft vocabulary.
       ce:        logsumexp(z) - sum_k p_k z[id_k]
       lk:        -log sum_k min(p_k, q[id_k])
       lk-greedy: logsumexp(z) - z[id_0]             (p one-hot on the target's argmax)"""
-    z = vocab.logits(head, hidden).float()                               # (M, Vd)
-    cols = ids if vocab.index is None else vocab.index[ids]              # (M, K) draft columns, -1 outside
+    cols = ids if index is None else index[ids]                          # (M, K) draft columns, -1 outside
     inside = cols >= 0
     p = torch.where(inside[:, :1], logits.masked_fill(~inside, -math.inf).softmax(-1), 0.0)
     lse, zk = z.logsumexp(-1), z.gather(-1, cols.clamp(min=0))           # (M,), (M, K)
@@ -216,8 +233,7 @@ def token_loss(head: EagleHead, hidden: torch.Tensor, ids: torch.Tensor, logits:
         loss = lse - zk[:, 0]
     else:
         raise ValueError(f"unknown objective {objective!r}: one of {', '.join(OBJECTIVES)}")
-    hit = vocab.to_target(head, z.argmax(-1)) == ids[:, 0]
-    return loss, inside[:, 0], hit
+    return loss, inside[:, 0]
 
 
 def weighted_mean(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from core.spec.eagle import EagleDrafter
 from core.spec.tree import chain_tree, rerank
 
 SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96)  # the issue's sizes plus 2 and 4: on a CPU the step from 1 token (no mask) to a small tree matters
-LARGE_SIZES = SIZES + (128, 192, 256)   # an offloaded target: big trees may pay (SpecExec)
+LARGE_SIZES = SIZES + (128, 192, 256, 384, 512, 1024)   # a slow (offloaded) target: big trees may pay (SpecExec)
 WIDTHS = (1, 2, 4, 6, 8, 10)
 SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attention's growth with context
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512
@@ -263,6 +263,19 @@ def time_draft(drafter, engine, ids: list[int], tree: TreeConfig) -> float:
         best = min(best, ms) if rep else best
     drafter.reshape(kept)
     return best
+
+
+@torch.inference_mode()
+def level_costs(drafter, engine, levels: int) -> tuple[float, float]:
+    """(fixed, per level) ms of a drafter whose draft costs the same for every node of a level (Medusa's
+    heads: one head and one projection row per depth), from whole drafts of one and `levels` levels after
+    a target verify. Leaves the engine reset."""
+    ids = arbitrary_ids(engine, SHORT_CONTEXT)
+    one = time_draft(drafter, engine, ids, TreeConfig(0, 1, 2))
+    deep = time_draft(drafter, engine, ids, TreeConfig(levels - 1, 1, levels + 1)) if levels > 1 else one
+    engine.reset()
+    level = max(0.0, (deep - one) / (levels - 1)) if levels > 1 else one
+    return max(0.0, one - level), level
 
 
 def time_rerank(pool: int = 100, keep: int = 48) -> float:

@@ -20,11 +20,14 @@ EAGLE rung cannot beat plain decoding; but a slow turn whose shape the acceptanc
 no longer picks first re-plans the rung (`_replan`, once per visit). The user's pins (strategy, depth, top_k, total_tokens, a
 static tree) are never overridden.
 
-The rivals (Lookahead, layer skip: `RIVALS`) have no acceptance model; each answer they decode
-(a race, a pinned answer, an A/B) records its measured speedup. Once one of them has measured at
-`DEMOTE_BELOW` or more over its last `RIVAL_RUNS` answers, and more than the ladder's plan
-predicts (or, without a prediction, than plain), the plan is that rival; its own slow answers pull
-its mean down and the ladder's plan returns. The ladder itself never moves for a rival's turn.
+The rivals (Lookahead, layer skip, Medusa: `RIVALS`): each answer they decode (a race, a pinned
+answer, an A/B) records its measured speedup. Once one of them has measured at `DEMOTE_BELOW` or
+more over its last `RIVAL_RUNS` answers, and more than the ladder's plan predicts (or, without a
+prediction, than plain), the plan is that rival; its own slow answers pull its mean down and the
+ladder's plan returns. The ladder itself never moves for a rival's turn. A rival that drafts trees
+(Medusa: `TreeRival`) also has an acceptance model of its own: its tree is shaped like EAGLE's from
+it and its measured draft cost, and until its answers are measured, a predicted speed above the
+ladder's plans it.
 
 Stepping down is not for ever: a busy minute slows every rung, and the load correction cannot
 tell all of it apart. After `PROBE_EVERY` measured turns below the top, one turn tries the rung
@@ -40,6 +43,7 @@ import torch
 
 from core.config import TreeConfig
 from core.spec.eagle import RANKED
+from core.tune.big_trees import best_first_budget
 from core.tune.latency import LatencyProfile
 
 MAX_DEPTH = 7                       # expansion steps searched (longest draft = depth + 1)
@@ -49,12 +53,12 @@ RANK_DECAY = 0.3                    # prior: rank r+1 is accepted 0.3x as often 
 PRIOR_STRENGTH = 8.0                # the prior counts as this many observed offers per (depth, rank)
 DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
 SLOWER_THAN_PLAIN = 1.0             # a turn measured below this leaves its rung at once
-RIVALS = ("lookahead", "layer_skip")  # drafters chosen on their measured speed alone
+RIVALS = ("lookahead", "layer_skip", "medusa")  # drafters chosen on their measured speed alone
 RIVAL_RUNS = 4                      # the last answers a rival's measured speedup is the mean of
 PROBE_EVERY = 8                     # measured turns on a lower rung before one turn tries the rung above
 MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
 LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt lookup", "lookahead": "lookahead",
-          "layer_skip": "layer skip", "plain": "plain decoding"}
+          "layer_skip": "layer skip", "medusa": "Medusa heads", "plain": "plain decoding"}
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,21 @@ def node_values(q: torch.Tensor, depth: int, top_k: int) -> torch.Tensor:
     return torch.cat(pool).sort(descending=True).values
 
 
+@dataclass
+class TreeRival:
+    """A rival that drafts trees (Medusa): its shape is planned as EAGLE's is, from its own positional
+    acceptance (learned from its rounds, starting from its heads' held-out chain) and its measured
+    draft cost, fixed_ms + level_ms for each depth drafted (one head each), plus a rerank for a tree."""
+    acceptance: PositionalAcceptance
+    max_depth: int       # expansion steps its heads reach: heads - 1
+    fixed_ms: float
+    level_ms: float
+    rerank_ms: float = 0.0
+
+    def draft_ms(self, depth: int, top_k: int, caught_up: float) -> float:
+        return self.fixed_ms + self.level_ms * (depth + 1) + (self.rerank_ms if top_k > 1 else 0.0)
+
+
 @dataclass(frozen=True)
 class Shape:
     tree: TreeConfig
@@ -205,10 +224,12 @@ class Shape:
 
 
 def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_size: int, pins: Pins,
-               chain: bool, draft_scale: float = 1.0) -> Shape:
+               chain: bool, draft_scale: float = 1.0, rival: TreeRival | None = None) -> Shape:
     """The shape with the most expected tokens per second, within the pins and `max_size`; drafts
-    cost `draft_scale` times what the profile says (DraftClock)."""
-    depths = [pins.depth] if pins.depth is not None else range(MAX_DEPTH + 1)
+    cost `draft_scale` times what the profile says (DraftClock), or a tree rival's own draft cost."""
+    draft = rival.draft_ms if rival is not None else profile.draft
+    deepest = rival.max_depth if rival is not None else MAX_DEPTH
+    depths = [pins.depth] if pins.depth is not None else range(deepest + 1)
     widths = [1] if chain else ([pins.top_k] if pins.top_k else TOP_KS)
     best = None
     for depth in depths:
@@ -217,20 +238,32 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
             sizes = [pins.total_tokens] if pins.total_tokens else range(2, min(len(gained), max_size) + 1)
             for n in sizes:
                 tokens = 1 + gained[min(n - 1, len(gained) - 1)]
-                ms = profile.round(n, context) + draft_scale * profile.draft(depth, k, tokens)
+                ms = profile.round(n, context) + draft_scale * draft(depth, k, tokens)
                 if best is None or tokens / ms > best.tokens / best.round_ms:
                     best = Shape(TreeConfig(depth=depth, top_k=k, total_tokens=n), tokens, ms)
     return best
+
+
+def shape_text(t: TreeConfig) -> str:
+    """A tree shape in the plan's words."""
+    if t.best_first:
+        return f"best-first (SpecExec) {t.total_tokens} tokens, {t.top_k} nodes per head step, {t.depth} steps"
+    return f"depth {t.depth}, top-k {t.top_k}, {t.total_tokens} tokens"
 
 
 class Tuner:
     """Plans each turn; learns from its rounds. Built by core/service/factory.py, one per loaded model."""
 
     def __init__(self, profile: LatencyProfile, acceptance: PositionalAcceptance, pins: Pins, drafters: dict, max_size: int,
-                 keep: Callable[[PositionalAcceptance], None] | None = None):
+                 keep: Callable[[PositionalAcceptance], None] | None = None, best_first: bool = False,
+                 tree_rivals: dict[str, TreeRival] | None = None):
         """drafters: name -> drafter, "plain" and "prompt_lookup" always, "eagle" with a head; `keep`
-        stores the acceptance after each EAGLE turn (core/tune/remembered.py)."""
+        stores the acceptance after each EAGLE turn (core/tune/remembered.py); `best_first`: the
+        target is slow (offloaded), so the tree rung plans SpecExec's big trees (`shape`);
+        `tree_rivals`: the rivals whose trees it shapes and whose speed it predicts (Medusa)."""
         self.profile, self.acceptance, self.pins, self.max_size = profile, acceptance, pins, max_size
+        self.best_first = best_first
+        self.tree_rivals = tree_rivals or {}   # name -> TreeRival: the rivals whose trees the tuner shapes
         self.keep = keep
         self.drafters = drafters
         self.pin(pins.strategy)
@@ -264,19 +297,45 @@ class Tuner:
         self.trial = index if index < self.rung else None
         self.planned, self.planned_context = plan, context
         engine.set_drafter(self.drafters[plan.strategy])
-        if plan.tree is not None:
+        if plan.tree is not None and plan.strategy == "eagle":
             self.drafters["eagle"].reshape(plan.tree)
+        self.ready(plan.strategy, context)
         return plan
+
+    def ready(self, strategy: str, context: float) -> None:
+        """Before any turn of `strategy` (planned, raced or asked for): a tree rival drafts its best shape."""
+        if strategy in self.tree_rivals:
+            self.drafters[strategy].reshape(self.rival_shape(strategy, context).tree)
+
+    def rival_shape(self, name: str, context: float) -> Shape:
+        rival = self.tree_rivals[name]
+        return best_shape(rival.acceptance.q(), self.profile, context, self.max_size, Pins(), False, rival=rival)
 
     def plan(self, context: float) -> Plan:
         plan = self._ladder_plan(context)
-        rival = None if self.pins.strategy else self.best_rival()
-        beaten = plan.predicted if plan.predicted is not None else self.measured(plan.strategy) or 1.0
-        if rival is None or self.measured(rival) <= beaten:
+        if self.pins.strategy:
             return plan
-        speed = self.measured(rival)
-        return Plan(rival, None, speed, f"{LABELS[rival]}: measured {speed:.2f}x plain over its last "
-                                        f"{len(self.heard[rival][-RIVAL_RUNS:])} answers, ahead of {LABELS[plan.rung]}")
+        beaten = plan.predicted if plan.predicted is not None else self.measured(plan.strategy) or 1.0
+        rival = self.best_rival()
+        if rival is not None and self.measured(rival) > beaten:
+            speed = self.measured(rival)
+            return Plan(rival, None, speed, f"{LABELS[rival]}: measured {speed:.2f}x plain over its last "
+                                            f"{len(self.heard[rival][-RIVAL_RUNS:])} answers, ahead of {LABELS[plan.rung]}")
+        return self.predicted_rival(context, beaten) or plan
+
+    def predicted_rival(self, context: float, beaten: float) -> Plan | None:
+        """A tree rival not yet measured whose model predicts it beats `beaten` (and DEMOTE_BELOW): the
+        fastest such, planned with its best shape. Once its answers are measured, `plan` goes by those."""
+        plain_ms, best = self.profile.plain_ms(context), None
+        for name in self.tree_rivals:
+            if self.measured(name) is not None:
+                continue
+            shape = self.rival_shape(name, context)
+            predicted = shape.tokens / shape.round_ms * plain_ms
+            if predicted >= max(beaten, DEMOTE_BELOW) and (best is None or predicted > best.predicted):
+                best = Plan(name, None, predicted, f"{LABELS[name]} {shape_text(shape.tree)}: {shape.tokens:.2f} tokens "
+                                                   f"per {shape.round_ms:.0f} ms round, predicted {predicted:.2f}x plain")
+        return best
 
     def measured(self, strategy: str) -> float | None:
         """The mean measured speedup of `strategy`'s last RIVAL_RUNS answers, or None if none."""
@@ -308,18 +367,26 @@ class Tuner:
                 return Plan(rung, None, None, self._why(rung, plain_ms, context, note))
             if self.pins.static is not None:
                 return Plan(rung, self.pins.static, None, "EAGLE-1's static tree, as asked (--static-tree)")
-            shape = best_shape(self.acceptance.q(), self.profile, context, self.max_size, self.pins, rung == "chain",
-                               scale)
+            shape = self.shape(rung, context, scale)
             predicted = shape.tokens / shape.round_ms * plain_ms
             if predicted >= 1.0 or index == len(self.rungs) - 1 or self.pins.strategy:
                 t = shape.tree
                 return Plan(rung, t, predicted,
-                            f"{LABELS[rung]} depth {t.depth}, top-k {t.top_k}, {t.total_tokens} tokens: "
+                            f"{LABELS[rung]} {shape_text(t)}: "
                             f"{shape.tokens:.2f} tokens per {shape.round_ms:.0f} ms round, predicted "
                             f"{predicted:.2f}x plain ({plain_ms:.0f} ms/token at {context:.0f} tokens)"
                             + (f"; {note}" if note else ""))
             note = "; ".join(filter(None, [f"{LABELS[rung]} predicted only {predicted:.2f}x plain", clock]))
         raise AssertionError("the ladder always ends in a rung that needs no model")
+
+    def shape(self, rung: str, context: float, scale: float):
+        """The EAGLE rung's best shape (a Shape, or big_trees.Budget: both have tree, tokens, round_ms):
+        on a slow target the tree rung's is SpecExec's best-first budget (core/tune/big_trees.py)."""
+        q = self.acceptance.q()
+        if self.best_first and rung == "tree":
+            room = self.drafters["eagle"].step.room   # the head cache's draft rows: steps x batch within it
+            return best_first_budget(q, self.profile, context, self.max_size, room, self.pins, scale)
+        return best_shape(q, self.profile, context, self.max_size, self.pins, rung == "chain", scale)
 
     def _why(self, rung: str, plain_ms: float, context: float, note: str) -> str:
         base = f"{LABELS[rung]} ({plain_ms:.0f} ms/token plain at {context:.0f} tokens)"
@@ -330,6 +397,8 @@ class Tuner:
     def observe_round(self, strategy: str, offers: Sequence[tuple[int, int]]) -> None:
         if strategy == "eagle" and self.pins.static is None:
             self.acceptance.observe(offers)
+        elif strategy in self.tree_rivals:
+            self.tree_rivals[strategy].acceptance.observe(offers)
 
     def meter(self, strategy: str, prompt_len: int) -> Meter:
         eagle = self.drafters.get("eagle")
@@ -378,8 +447,7 @@ class Tuner:
         plan, rung = self.planned, self.rungs[self.rung]
         if self.replanned or plan is None or plan.rung != rung or rung not in ("tree", "chain") or self.pins.static is not None:
             return False
-        shape = best_shape(self.acceptance.q(), self.profile, self.planned_context, self.max_size, self.pins,
-                           rung == "chain", self.draft_clock.scale)
+        shape = self.shape(rung, self.planned_context, self.draft_clock.scale)
         if shape.tree == plan.tree:
             return False
         old, new = plan.tree, shape.tree

@@ -38,6 +38,15 @@ class TurnLog:
         stats = ReplyStats(strategy=engine.drafter.name, prompt_tokens=prompt_len, tuning=plan.reason if plan else "")
         return replace(cls.start(stats, tuner), plan=plan)
 
+    @classmethod
+    def asked(cls, engine, tuner: Tuner | None, prompt_len: int, reason: str) -> "TurnLog":
+        """A turn of the drafter set on the engine as asked (a race, an A/B, an API request), not the
+        tuner's: a tree rival drafts the shape its acceptance picks; the tuner learns, not counting it."""
+        if tuner is not None:
+            tuner.ready(engine.drafter.name, prompt_len)
+        return cls.start(ReplyStats(strategy=engine.drafter.name, prompt_tokens=prompt_len, tuning=reason), tuner,
+                         counted=False)
+
     def add(self, step, elapsed_s: float) -> ReplyStats:
         """One engine step (step 0 is the prefill; the rounds after it are what the speedup gauge
         compares with plain decoding); -> the stats so far."""
