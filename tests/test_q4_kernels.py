@@ -209,6 +209,13 @@ def test_a_kernel_serves_every_size_when_it_saves_overall_and_amx_mixes_only_on_
     assert pick_kernel({**epyc, 1: {"int4": 35.0, "rows": 37.5}}) == ("int4", 1)   # plain decoding must not slow
     both = {n: {**epyc[n], "amx": 0.95 * epyc[n]["rows"]} for n in epyc}
     assert pick_kernel(both) == ("amx", 1)
+    # 2-core Xeon with AMX, 2026-12-05 (linears alone): q4_rows costs what int4 does, and computing each row
+    # alone it moves attention onto the fp32 row kernel (a 1-token verify 5.33 ms against int4's 8.13).
+    tie = {1: {"int4": 8.79, "rows": 8.98, "amx": 10.82}, 2: {"int4": 9.42, "rows": 9.96, "amx": 10.82},
+           4: {"int4": 11.54, "rows": 12.05, "amx": 13.07}, 8: {"int4": 22.08, "rows": 22.07, "amx": 14.19},
+           16: {"int4": 37.59, "rows": 36.28, "amx": 17.77}}
+    assert pick_kernel(tie) == ("rows", 1)
+    assert pick_kernel({n: {**tie[n], "rows": 1.08 * tie[n]["int4"]} for n in tie}) == ("int4", 1)   # 8% dearer
     assert kernel_edges(KernelChoice(target=TargetKernel("amx", 8))) == (8,) and kernel_edges(KernelChoice(target=TargetKernel("rows"))) == ()
     assert kernel_edges(KernelChoice(16, 64, target=TargetKernel("amx", 4))) == (4, 16)
     assert kernel_edges(KernelChoice(target=TargetKernel("rows", tiles_from=8))) == ()    # an opaque op's own switch: the same bits
