@@ -97,6 +97,17 @@ def test_best_first_trees_are_lossless(budget, kind, draft_vocab):
     assert drafter.head_len <= len(engine.cached_ids) == engine.runner.length
 
 
+def test_sampling_through_best_first_trees_follows_the_target_distribution():
+    """DESIGN invariant 3 for SpecExec's trees (tests/test_drafters.py's chi-square): on a 4-token
+    vocabulary a 20-node best-first tree holds every short path, so drafts are taken."""
+    from tests.test_drafters import assert_sampling_follows_the_target
+
+    model = tiny_llama(vocab_size=4, seed=5, layers=4)
+    shape = TreeConfig(depth=10, top_k=4, total_tokens=21, best_first=True)
+    drafter = EagleDrafter(random_head(model, "eagle1", 3), model.config.num_hidden_layers, shape)
+    assert_sampling_follows_the_target(Engine(tiny_target(model), drafter), model)
+
+
 def test_a_big_tree_near_the_context_end_is_trimmed_to_the_cache():
     model = tiny_llama(seed=4, layers=2)
     cfg, prompt = SamplingConfig(max_new_tokens=100), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
