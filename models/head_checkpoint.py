@@ -71,7 +71,7 @@ def load_head(source: str, target_config, target_embed: nn.Embedding, target_lm_
     `cache_dir/hub`, or huggingface_hub's own cache without one) and check it fits the target."""
     folder = resolve_folder(source, allow_pickle, cache_dir)
     raw = _read_config(folder)
-    state = _read_weights(folder, allow_pickle)
+    state = read_weights(folder, allow_pickle, "model.safetensors", "pytorch_model.bin")
     config = config_from_json(raw, **_layout(state, raw))
     text_config = target_config.get_text_config()
     _check_target(config, text_config)
@@ -177,10 +177,6 @@ def _weight_files(folder: Path, single: str, index: str) -> list[Path]:
             raise ModelLoadError(f"The head in {folder} lacks the shards {missing} named by {index}; re-download it.")
         return [folder / s for s in shards]
     return [folder / single] if (folder / single).is_file() else []
-
-
-def _read_weights(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
-    return read_weights(folder, allow_pickle, "model.safetensors", "pytorch_model.bin")
 
 
 def read_weights(folder: Path, allow_pickle: bool, single: str, pickled: str) -> dict[str, torch.Tensor]:
