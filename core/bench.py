@@ -320,7 +320,8 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
             entry["window"] = engines[name].drafter.cfg.label()
         if name == "layer_skip":
             drafter = engines[name].drafter
-            entry["skip"] = {"layers": list(drafter.cfg.skip), "depth": drafter.cfg.depth, "chosen": drafter.reason}
+            entry["skip"] = {"layers": list(drafter.cfg.skip), "depth": drafter.cfg.depth, "chosen": drafter.reason,
+                             "exit_layer": drafter.exit_layer()}   # LayerSkip's early exit, else None
         if name == "medusa":
             entry["heads"] = engines[name].drafter.heads.config.num_heads
             entry["trees_used"] = dict(t.trees.most_common())  # prompts per shape the tuner gave it

@@ -17,7 +17,7 @@ from core.spec.lookahead import LookaheadConfig, LookaheadDrafter, add_ngrams, j
 from core.spec.sampling import target_probs
 from core.spec.tree import Draft, chain_tree
 from core.tune.latency import LatencyProfile
-from core.tune.skip import agreement, choose_skip
+from core.tune.skip import agreement, choose_exit, choose_skip, is_layerskip_checkpoint
 from models.layer_view import layer_view
 from tests.conftest import chain_at_once, tiny_llama, tiny_target
 from tests.fakes import run
@@ -42,6 +42,7 @@ ENGINES = {
     "layer skip 1 of 4, depth 3": lambda t: layer_skip(t),
     "layer skip 2 of 4, depth 2": lambda t: layer_skip(t, (0, 2), 2),
     "layer skip the last, depth 5, confidence 0.3": lambda t: layer_skip(t, (3,), 5, 0.3),
+    "early exit after layer 1, depth 4": lambda t: layer_skip(t, (1, 2, 3), 4),
 }
 
 
@@ -240,6 +241,41 @@ def test_the_skip_search_picks_a_valid_set_and_depth():
     assert 1 <= len(choice.config.skip) < 4 and 1 <= choice.config.depth
     assert len(choice.damage) == 4 and len(choice.curve) == 3
     assert choice.predicted > 0 and 0.0 <= choice.agreement <= 1.0
+
+
+def test_the_exit_search_tries_every_early_exit():
+    _, runner, sequence, start = calibration(16)
+    profile = LatencyProfile(sizes=(1, 8), round_ms=(10.0, 10.0), contexts=(32, 512), slope_sizes=(1,), slope_ms=(0.0,))
+    choice = choose_exit(runner, profile, [(sequence, start)], report=lambda line: None)
+    assert [row[0] for row in choice.curve] == [1, 2, 3]              # exits after layers 3, 2, 1
+    exit_at = choice.config.exit_layer(4)
+    assert exit_at in (1, 2, 3) and choice.config.skip == tuple(range(exit_at, 4))
+    assert f"exits after layer {exit_at} of 4 (early exit)" in choice.describe()
+    assert SkipConfig((1, 3)).exit_layer(4) is None and SkipConfig((3,)).exit_layer(4) == 3
+
+
+def test_layerskip_checkpoints_are_known_by_name():
+    assert is_layerskip_checkpoint("facebook/layerskip-llama3.2-1B")
+    assert is_layerskip_checkpoint("/home/me/.cache/hub/models--facebook--layerskip-llama2-7B/snapshots/abc")
+    assert not is_layerskip_checkpoint("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_a_layerskip_checkpoint_drafts_by_early_exit(tmp_path, tokenizer, cache_dir):
+    """A model saved as a LayerSkip checkpoint (by name): the bench's layer-skip drafter exits early, losslessly."""
+    from core.bench import bench
+    from core.service.factory import EngineSpec
+    from tests.conftest import ROOT_ASSETS
+
+    folder = tmp_path / "models--facebook--layerskip-tiny"
+    model = tiny_llama(vocab_size=len(tokenizer), seed=1, layers=4)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    spec = EngineSpec(model=str(folder), quant="none", device="cpu", cache_dir=cache_dir, compile=False)
+    report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=1, max_new=8, strategies=("layer_skip",))
+    entry = report["strategies"]["layer_skip"]
+    skip = entry["skip"]
+    assert entry["lossless"] and skip["exit_layer"] in (1, 2, 3)
+    assert skip["layers"] == list(range(skip["exit_layer"], 4)) and "early exit" in skip["chosen"]
 
 
 @pytest.mark.slow

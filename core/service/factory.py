@@ -32,7 +32,7 @@ from core.tune.kernels import (WIDE_ROWS, KernelChoice, TargetKernel, TreeKernel
 from core.tune.probe import Probe, load_nvml
 from core.files import stored
 from core.text import render_prompt
-from core.tune.skip import SkipChoice, choose_skip
+from core.tune.skip import SkipChoice, choose_exit, choose_skip, is_layerskip_checkpoint
 from core.tune.latency import (LARGE_SIZES, SIZES, LatencyProfile, cached_profile, head_identity, level_costs, measure_profile,
                                profile_key, profile_mismatch, time_rerank)
 from core.tune.remembered import acceptance_path, keep, recall
@@ -388,14 +388,17 @@ CALIBRATION = ("Explain how a refrigerator keeps food cold.",
                "Write a short note inviting a neighbour to dinner on Friday.",
                "What should I pack for a weekend of hiking in the mountains?")
 CALIBRATION_TOKENS = 64
-SKIP_VERSION = 1
+SKIP_VERSION = 2
 
 
 def layer_skip_drafter(engine: Engine, profile: LatencyProfile, cache_dir: Path) -> LayerSkipDrafter:
     """The self-speculative drafter on `engine`'s runner, skipping the layers measured fastest for
-    this model on this machine (core/tune/skip.py; measured once, then cached)."""
+    this model on this machine, or on a LayerSkip checkpoint exiting at the layer measured fastest
+    (core/tune/skip.py; measured once, then cached)."""
     target = engine.target
-    key = {"skip_version": SKIP_VERSION, **machine_key(), "model": str(target.model.config.name_or_path),
+    name = str(target.model.config.name_or_path)
+    early_exit = is_layerskip_checkpoint(name)
+    key = {"skip_version": SKIP_VERSION, **machine_key(), "model": name, "early_exit": early_exit,
            "quant": target.quant, "dtype": str(target.dtype), "buckets": list(engine.runner.buckets)}
 
     def measure() -> SkipChoice:
@@ -406,7 +409,7 @@ def layer_skip_drafter(engine: Engine, profile: LatencyProfile, cache_dir: Path)
             answer = [t for step in plain.generate(ids, SamplingConfig(max_new_tokens=CALIBRATION_TOKENS)) for t in step.new_ids]
             calibration.append((ids + answer, len(ids) - 1))
         engine.reset()
-        return choose_skip(engine.runner, profile, calibration)
+        return (choose_exit if early_exit else choose_skip)(engine.runner, profile, calibration)
 
     choice, _ = stored(cache_dir / "skip", key, measure, SkipChoice.to_json, SkipChoice.from_json)
     return LayerSkipDrafter(engine.runner, choice.config, choice.describe())

@@ -6,7 +6,8 @@ The drafter feeds the root, then each drafted token, one at a time through the k
 (models/layer_view.py): token t sits at row and position L + t, sees the committed rows (written by
 the full target) and the draft rows before it. It stops after `depth` tokens, or earlier once the
 skipping model's top probability falls below `min_confidence` (Draft & Verify's adaptive draft
-exit). Which layers to skip is measured on the user's model (core/tune/skip.py).
+exit). Which layers to skip is measured on the user's model (core/tune/skip.py); on a LayerSkip
+checkpoint, the skipped layers are the last ones: its early exit.
 """
 
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ class SkipConfig:
     def label(self) -> str:
         return f"skip {len(self.skip)} layers, depth {self.depth}"
 
+    def exit_layer(self, layers: int) -> int | None:
+        """E when the draft runs layers 0..E-1 of `layers` (an early exit), else None."""
+        tail = tuple(range(layers - len(self.skip), layers))
+        return layers - len(self.skip) if self.skip and tuple(sorted(self.skip)) == tail else None
+
 
 class LayerSkipDrafter:
     name = "layer_skip"
@@ -39,6 +45,10 @@ class LayerSkipDrafter:
         if not 1 <= cfg.depth <= runner.buckets[-1]:
             raise ValueError(f"A layer-skip draft's depth must be 1..{runner.buckets[-1]}; got {cfg.depth}.")
         self.view = layer_view(runner.target.model.get_decoder(), [i for i in range(layers) if i not in cfg.skip])
+
+    def exit_layer(self) -> int | None:
+        """E when this draft is an early exit after the target's first E layers, else None."""
+        return self.cfg.exit_layer(self.runner.num_layers)
 
     def rewind(self, common: int) -> int:
         return common

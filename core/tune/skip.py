@@ -12,6 +12,11 @@ a cheaper two-pass search of the same objective:
 The best (m, d) wins; every draft token's acceptance is taken as the first's (a chain's later
 guesses read the draft's own rows, as in decoding, so they fare no better).
 
+A LayerSkip checkpoint (Elhoushi et al. 2024: trained with layer dropout and one early-exit loss
+shared by every layer, e.g. facebook/layerskip-llama3.2-1B) drafts by early exit instead: its
+first E layers, then its own final norm and LM head, the exit it was trained for. `choose_exit`
+searches E alone (skipping layers E..L-1), with the same agreement, step time and prediction.
+
 `agreement` computes what the drafter's first step computes, for every position at once: the
 calibration answer is prefilled by the full target, then the view runs over the same tokens in
 rows after it, row p seeing the full target's rows before p and its own row only.
@@ -39,10 +44,13 @@ class SkipChoice:
     damage: tuple[float, ...]      # [layer]: agreement with that layer alone skipped
     curve: tuple[tuple[int, float, float], ...] = ()   # (layers skipped, agreement, step ms) per set tried
     measured_s: float = 0.0
+    layers: int = 0                # the target's
 
     def describe(self) -> str:
-        layers = len(self.damage)
-        return (f"skips {len(self.config.skip)} of {layers} layers, drafts up to {self.config.depth}: first draft right "
+        exit_at = self.config.exit_layer(self.layers)
+        kept = f"exits after layer {exit_at} of {self.layers} (early exit)" if exit_at else \
+            f"skips {len(self.config.skip)} of {self.layers} layers"
+        return (f"{kept}, drafts up to {self.config.depth}: first draft right "
                 f"{self.agreement:.0%} of the time, {self.step_ms:.1f} ms a step, predicted {self.predicted:.2f}x plain")
 
     def to_json(self) -> dict:
@@ -52,7 +60,7 @@ class SkipChoice:
     def from_json(cls, d: dict) -> "SkipChoice":
         cfg = d["config"]
         return cls(SkipConfig(tuple(cfg["skip"]), cfg["depth"], cfg["min_confidence"]), d["agreement"], d["step_ms"],
-                   d["predicted"], tuple(d["damage"]), tuple(tuple(row) for row in d["curve"]), d["measured_s"])
+                   d["predicted"], tuple(d["damage"]), tuple(tuple(row) for row in d["curve"]), d["measured_s"], d["layers"])
 
 
 @torch.inference_mode()
@@ -83,28 +91,49 @@ def choose_skip(runner: TargetRunner, profile: LatencyProfile, calibration: list
     """The skipped set and chain depth predicted fastest on `calibration`: (sequence, answer start)
     pairs, the target's own greedy answers."""
     t0, layers = time.perf_counter(), runner.num_layers
-    decoder = runner.target.model.get_decoder()
-    context = max(len(seq) for seq, _ in calibration)
-
-    def agree(skip: tuple[int, ...]) -> float:
-        view = layer_view(decoder, [i for i in range(layers) if i not in skip])
-        return sum(agreement(runner, view, seq, start) for seq, start in calibration) / len(calibration)
-
     report(f"Aerie: measuring which of the {layers} layers a self-speculative draft can skip (once; cached)...")
-    damage = tuple(agree((layer,)) for layer in range(layers))
+    damage = tuple(mean_agreement(runner, (layer,), calibration) for layer in range(layers))
     order = sorted(range(layers), key=lambda layer: -damage[layer])               # least damaging first
+    candidates = [tuple(sorted(order[:m])) for m in range(1, layers)]
+    return search(runner, profile, calibration, candidates, damage, t0)
+
+
+def choose_exit(runner: TargetRunner, profile: LatencyProfile, calibration: list[tuple[list[int], int]],
+                report=print) -> SkipChoice:
+    """LayerSkip's early exit: the exit layer E (the draft runs layers 0..E-1) and chain depth
+    predicted fastest on `calibration`."""
+    t0, layers = time.perf_counter(), runner.num_layers
+    report(f"Aerie: measuring where this LayerSkip model's draft can exit among its {layers} layers (once; cached)...")
+    candidates = [tuple(range(exit_at, layers)) for exit_at in range(layers - 1, 0, -1)]   # fewest skipped first
+    return search(runner, profile, calibration, candidates, (), t0)
+
+
+def is_layerskip_checkpoint(name_or_path: str) -> bool:
+    """Whether a model was trained for early exit: Meta publishes its LayerSkip checkpoints as plain
+    Llama configs, named facebook/layerskip-*, so the name is the only mark they carry."""
+    return "layerskip" in name_or_path.lower()
+
+
+def mean_agreement(runner: TargetRunner, skip: tuple[int, ...], calibration: list[tuple[list[int], int]]) -> float:
+    view = layer_view(runner.target.model.get_decoder(), [i for i in range(runner.num_layers) if i not in skip])
+    return sum(agreement(runner, view, seq, start) for seq, start in calibration) / len(calibration)
+
+
+def search(runner: TargetRunner, profile: LatencyProfile, calibration: list[tuple[list[int], int]],
+           candidates: list[tuple[int, ...]], damage: tuple[float, ...], t0: float) -> SkipChoice:
+    """Of the skipped sets `candidates`, the set and chain depth with the best predicted speedup."""
+    context = max(len(seq) for seq, _ in calibration)
     best, curve = None, []
-    for m in range(1, layers):
-        skip = tuple(sorted(order[:m]))
-        a = agree(skip)
+    for skip in candidates:
+        a = mean_agreement(runner, skip, calibration)
         step = step_ms(runner, SkipConfig(skip, depth=1), calibration[0][0])
-        curve.append((m, round(a, 4), round(step, 3)))
+        curve.append((len(skip), round(a, 4), round(step, 3)))
         for depth in range(1, min(MAX_DEPTH, runner.buckets[-1] - 1) + 1):
             speed = predicted_speedup(a, step, depth, profile, context)
             if best is None or speed > best.predicted:
                 best = SkipChoice(SkipConfig(skip, depth), a, step, speed, damage)
     return SkipChoice(best.config, best.agreement, best.step_ms, best.predicted, damage, tuple(curve),
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, runner.num_layers)
 
 
 def step_ms(runner: TargetRunner, cfg: SkipConfig, prompt: list[int]) -> float:
