@@ -205,3 +205,22 @@ def test_bench_with_a_slow_target_plans_best_first_trees(tiny_dir, tmp_path):
     assert s["eagle"]["tree"]["best_first"] and s["eagle"]["tree_tokens"] > 1
     with pytest.raises(ValueError, match="serve"):
         bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=1, max_new=2, strategies=("eagle",), serve=object())
+
+
+@pytest.mark.slow
+def test_the_shipped_head_drafts_best_first_trees_losslessly_on_the_embedded_model(embedded_target):
+    """SpecExec's regime on the real model: the shipped head's best-first trees of 64 nodes (8 fed a
+    head step) give plain decoding's text and accept more than a token a round."""
+    from core.service.factory import EngineSpec, make_drafter
+    from core.text import render_prompt
+    from tests.conftest import ROOT_ASSETS
+
+    shape = TreeConfig(depth=8, top_k=8, total_tokens=65, best_first=True)
+    drafter = make_drafter(embedded_target, EngineSpec(head=str(ROOT_ASSETS / "heads" / "smollm2-135m-instruct"), tree=shape))
+    prompt = render_prompt(embedded_target.tokenizer, [{"role": "user", "content": "Name four planets and one fact about each."}])
+    cfg = SamplingConfig(max_new_tokens=40)
+    plain = run(Engine(embedded_target), prompt, cfg)
+    steps = list(Engine(embedded_target, drafter).generate(prompt, cfg))
+    assert [t for s in steps for t in s.new_ids] == plain
+    assert max(s.tree_size for s in steps[1:]) > 32 and all(s.tree_size <= 65 for s in steps[1:])
+    assert len(plain) / len(steps) > 1.5   # a big tree of a trained head: well above one token a forward
