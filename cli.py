@@ -66,6 +66,9 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
         p.add_argument("--serve", action="store_true",
                        help="also ask a live Aerie server (launch.py --no-browser on a free port, with these model flags) "
                        "for the same answers through its OpenAI API, and print its wall-clock tok/s beside the bench's")
+        p.add_argument("--page", action="store_true",
+                       help="with --serve, also type each prompt into the server's page in Chromium (headless, driven by "
+                       "Playwright) and time the tuned answer from Enter until the page shows its end")
     else:
         p.add_argument("--strategy", default="auto", choices=["auto", *DRAFTERS],
                        help="auto = the tuner's choice (eagle with a head, prompt lookup without); a drafter's name pins it")

@@ -222,6 +222,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from core.config import TreeConfig
     from core.errors import AerieError
     from core.served import ServedClient, Server
+    from core.served_page import PageClient
 
     strategies = tuple(args.strategies.split(",")) if args.strategies else None
     if not args.prompts.is_file():
@@ -230,11 +231,17 @@ def run_bench(args: argparse.Namespace) -> None:
         trees = parse_trees(args.trees)
         if args.compare_default_tree:
             trees["eagle_default_tree"] = TreeConfig(depth=6, top_k=10, total_tokens=60)
+        if args.page and not args.serve:
+            fail("--page types the prompts into a live server's page: give --serve too.")
         server = Server(server_command(args)) if args.serve else None
+        page = None
         try:
+            page = PageClient(server.url) if args.page else None
             report = bench(engine_spec(args), args.prompts, args.limit, args.max_new_tokens, args.context, strategies,
-                           trees, ServedClient(server.url) if server else None)
+                           trees, ServedClient(server.url) if server else None, page)
         finally:
+            if page:
+                page.close()
             if server:
                 server.stop()
     except (AerieError, ValueError) as e:

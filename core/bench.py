@@ -26,6 +26,7 @@ from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.service.factory import EngineSpec, layer_skip_drafter, load_tuned, make_drafter, target_load_spec
 from core.served import SERVED, ServedClient, ServedTally
+from core.served_page import PageClient
 from core.tune.tuner import Tuner
 from core.tune.turn import TurnLog
 from models.quants import CPU_QUANTS
@@ -79,6 +80,7 @@ class StrategyResult:
     ties: list[set[int]] = field(default_factory=list)   # per prompt: offsets of near-tie choices
     peak_mem_mb: float = 0.0
     served: ServedTally | None = None   # the same prompts through a live server (--serve)
+    paged: ServedTally | None = None    # and typed into its page in Chromium (--page): the tuned eagle only
 
     @property
     def total(self) -> Tally:
@@ -177,11 +179,12 @@ def measured(device: torch.device, run):
 
 def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int, context: int = 0,
           strategies: tuple[str, ...] | None = None, fixed_trees: dict[str, TreeConfig] | None = None,
-          serve: ServedClient | None = None) -> dict:
+          serve: ServedClient | None = None, page: PageClient | None = None) -> dict:
     """`eagle` runs the tuned shape (re-planned per prompt, learning as it goes, as the app does);
     `fixed_trees` adds EAGLE strategies with fixed shapes beside it (--trees, --compare-default-tree).
     With `serve`, each prompt of plain, prompt_lookup and eagle is also asked of that server, right
-    after the bench's own run of it (core/served.py)."""
+    after the bench's own run of it (core/served.py); with `page` too, eagle's is typed into the
+    server's page (core/served_page.py)."""
     fixed_trees = fixed_trees or {}
     slow = spec.verify_delay_ms > 0   # transformers' generate is not slowed: no default there, and no server
     if slow and serve:
@@ -218,7 +221,9 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
     run_engine(engines["plain"], all_ids[0], 8)  # warm-up: first-call allocations
     if serve:
         serve.answer(texts[0], 8, "plain")  # the server's too
-    results = race(target, prompts, texts, all_ids, names, runner, max_new, serve,
+    if page:
+        page.answer(texts[0], 8)            # and the page's
+    results = race(target, prompts, texts, all_ids, names, runner, max_new, serve, page,
                    lossless_reference=stock is None or stock.quant == target.quant)
     report = summarise(target, engines, prompts, results, context)
     report["cpu_linear"] = "onednn" if loaded.onednn else target.quant if target.quant in CPU_QUANTS else "default"
@@ -255,10 +260,12 @@ def strategy_engines(loaded, spec: EngineSpec, names: list[str], fixed_trees: di
 
 
 def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[list[int]], names: list[str], runner,
-         max_new: int, serve: ServedClient | None, lossless_reference: bool) -> dict[str, StrategyResult]:
+         max_new: int, serve: ServedClient | None, page: PageClient | None,
+         lossless_reference: bool) -> dict[str, StrategyResult]:
     """Every strategy on every prompt, interleaved so that drift on a shared machine hits them
     alike; each answer checked against plain decoding's (up to near-ties)."""
-    results = {name: StrategyResult(served=ServedTally() if serve and name in SERVED else None) for name in names}
+    results = {name: StrategyResult(served=ServedTally() if serve and name in SERVED else None,
+                                    paged=ServedTally() if page and name == "eagle" else None) for name in names}
     for i, (prompt, ids) in enumerate(zip(prompts, all_ids)):
         for name in names:
             ties: set[int] = set()
@@ -276,6 +283,9 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
             if res.served is not None:
                 answer = serve.answer(texts[i], max_new, SERVED[name])
                 res.served.add(answer, answer.text == target.tokenizer.decode(out, skip_special_tokens=True))
+            if res.paged is not None:   # the page draws the text: compared word for word
+                answer = page.answer(texts[i], max_new)
+                res.paged.add(answer, answer.text.split() == target.tokenizer.decode(out, skip_special_tokens=True).split())
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
     return results
@@ -327,6 +337,8 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
             entry["trees_used"] = dict(t.trees.most_common())  # prompts per shape the tuner gave it
         if res.served is not None:
             entry["served"] = res.served.entry(t.tokens / t.seconds)
+        if res.paged is not None:
+            entry["page"] = res.paged.entry(t.tokens / t.seconds)
         out["strategies"][name] = entry
     return out
 
@@ -344,7 +356,9 @@ def print_table(results: dict[str, StrategyResult]) -> None:
             acc = f"{t.tokens / t.rounds:.2f}" if t.rounds else "  - "
             row += f"{t.tokens / t.seconds:>10.1f} {acc:>5} {(t.tokens / t.seconds) / (p.tokens / p.seconds):>5.2f}"
         print(row)
-    if any(res.served for res in results.values()):  # wall-clock tok/s through the API, and x the bench's
-        print(f"{'served':<12}" + "".join(
-            f"{res.served.tok_s:>10.1f} {'':>5} {res.served.tok_s * res.total.seconds / res.total.tokens:>5.2f}"
-            if res.served else f"{'':>22}" for res in results.values()) + "   (tok/s, x bench)")
+    for label, pick in (("served", lambda r: r.served), ("page", lambda r: r.paged)):
+        live = {name: pick(res) for name, res in results.items()}   # wall-clock tok/s through the API / page, x the bench's
+        if any(live.values()):
+            print(f"{label:<12}" + "".join(
+                f"{live[name].tok_s:>10.1f} {'':>5} {live[name].tok_s * res.total.seconds / res.total.tokens:>5.2f}"
+                if live[name] else f"{'':>22}" for name, res in results.items()) + "   (tok/s, x bench)")

@@ -1,0 +1,84 @@
+"""`launch.py bench --serve --page`: the bench's prompts typed into the live server's page, in
+Chromium driven by Playwright, as a user asks them: the gap between the engine's speed and what
+the page delivers (its streaming updates, their rendering, the browser sharing the cores) is
+measured on every such run.
+
+Each prompt starts a new chat, is typed and sent with Enter, and its time runs from the key press
+until Send comes back (the answer's end is drawn). Its tokens are the stats line's count under the
+chat, its text the answer's bubble. The page decodes with the drafter its dropdown holds: the
+tuner's choice (auto), so it stands against the bench's `eagle`. Chromium runs headless, as the
+bench has no screen; it still lays out and paints every update.
+"""
+
+import re
+import time
+from pathlib import Path
+
+from core.errors import AerieError
+from core.served import ServedAnswer
+
+CHROMIUM = Path("/usr/bin/chromium")
+WAIT_MS = 600_000     # the longest answer the bench waits for
+STATS = re.compile(r"(\d+) tokens? · [\d.]+ tok/s")
+SPEEDUP = re.compile(r"speedup ([\d.]+)× vs plain")
+ANSWERS = "#aerie-chat .message:not(.thought) > [data-testid='bot']"   # answers, less their statistics rows
+# True once Send is shown and enabled: the page is idle, the last answer drawn.
+IDLE = """() => [...document.querySelectorAll('#aerie-input button')]
+  .some(b => b.textContent.trim() === 'Send' && !b.disabled && b.offsetParent !== null)"""
+
+
+class PageClient:
+    """Chromium on the page of a running Aerie server at `url`; close() ends it."""
+
+    def __init__(self, url: str, chromium: Path = CHROMIUM):
+        try:
+            from playwright.sync_api import sync_playwright
+        except ImportError as e:
+            raise AerieError("bench --page drives Chromium with Playwright: pip install playwright") from e
+        if not chromium.is_file():
+            raise AerieError(f"bench --page needs Chromium at {chromium} (apt-get install chromium)")
+        self._playwright = sync_playwright().start()
+        self._browser = self._playwright.chromium.launch(executable_path=str(chromium))
+        self.tab = self._browser.new_page(viewport={"width": 1280, "height": 800})
+        self.tab.goto(url)
+        self.tab.locator("#aerie-memory").filter(has_text="RAM").wait_for(timeout=WAIT_MS)
+        self._max_new: int | None = None
+
+    def answer(self, text: str, max_new: int, strategy: str | None = None) -> ServedAnswer:
+        """Ask `text` in a new chat with at most `max_new` tokens, greedily (the page's default
+        temperature is set to 0 here); -> the answer as the page showed it."""
+        if strategy is not None:
+            raise AerieError("The page decodes with its dropdown's drafter (auto); the bench asks it for no other.")
+        tab = self.tab
+        self._settings(max_new)
+        tab.get_by_role("button", name="New chat", exact=True).click()
+        tab.locator("#aerie-chat [data-testid='user']").first.wait_for(state="detached", timeout=WAIT_MS)
+        box = tab.locator("#aerie-input textarea")
+        box.fill(text)
+        t0 = time.perf_counter()
+        box.press("Enter")
+        tab.wait_for_function(f"() => !({IDLE})()", timeout=WAIT_MS)   # the answer started
+        tab.wait_for_function(IDLE, timeout=WAIT_MS)
+        seconds = time.perf_counter() - t0
+        stats = tab.locator("#aerie-stats").inner_text()
+        found = STATS.search(stats)
+        if not found:
+            raise AerieError(f"The page's answer ended without its statistics: {stats!r}")
+        speedup = SPEEDUP.search(stats)
+        shown = tab.locator(ANSWERS).last.inner_text()
+        # server_s 0: the page does not say how long the service took, only the stats line's own tok/s
+        return ServedAnswer(shown.strip(), int(found[1]), seconds, 0.0, "page", float(speedup[1]) if speedup else None)
+
+    def _settings(self, max_new: int) -> None:
+        """Max new tokens as the bench's, temperature 0 (greedy, as the bench)."""
+        if self._max_new == max_new:
+            return
+        for label, value in (("Max new tokens", max_new), ("Temperature", 0)):
+            box = self.tab.get_by_label(f"number input for {label}")
+            box.fill(str(value))
+            box.press("Enter")
+        self._max_new = max_new
+
+    def close(self) -> None:
+        self._browser.close()
+        self._playwright.stop()
