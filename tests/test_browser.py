@@ -183,3 +183,20 @@ def test_the_monitor_shows_memory_and_the_tuner(page):
     expect(page.locator("#aerie-tuning")).to_contain_text(re.compile(r"Tuner: \S+"))
     # The header names the drafter in words, not as core's identifiers (eagle, prompt_lookup).
     expect(page.locator("#aerie-header")).to_contain_text(re.compile(r"· (EAGLE head|prompt lookup|plain decoding)"))
+
+
+def test_the_bench_page_client_times_answers_the_page_shows(server):
+    """bench --page's client (core/served_page.py): each prompt in a new chat, greedy, its tokens
+    and text as the page shows them."""
+    from core.served_page import PageClient
+
+    client = PageClient(server[0])
+    try:
+        first = client.answer("Name three colours.", 12)
+        second = client.answer("Name three fruits.", 12)
+        questions_shown = client.tab.locator("#aerie-chat [data-testid='user']").all_inner_texts()
+    finally:
+        client.close()
+    assert 1 <= first.tokens <= 12 and 1 <= second.tokens <= 12 and first.seconds > 0
+    assert first.text and second.text and first.strategy == "page"
+    assert questions_shown == ["Name three fruits."]   # a new chat for each prompt
