@@ -127,6 +127,9 @@ def test_a_pinned_drafter_answers_until_unpinned(loaded, tmp_path):
     assert answer(service)[0][-1].stats.strategy == "lookahead"
     with pytest.raises(Exception, match="cannot decode with 'medusa'"):
         service.pin("medusa")
-    service.pin(None)   # the tuner's choice again: on this random head it predicts EAGLE loses, so prompt lookup
-    assert loaded.tuner.pins.strategy is None and answer(service)[0][-1].stats.strategy == "prompt_lookup"
+    # The tuner's choice again: on this random head it predicts EAGLE loses, so prompt lookup, or plain
+    # decoding where the race above measured prompt lookup slower than plain.
+    service.pin(None)
+    expected = "plain" if (loaded.tuner.measured("prompt_lookup") or 1.0) < 1.0 else "prompt_lookup"
+    assert loaded.tuner.pins.strategy is None and answer(service)[0][-1].stats.strategy == expected
     service.pin("eagle")   # as the module's fixture was loaded

@@ -10,10 +10,10 @@ import torch
 from core.tune.budget import GIB, MemoryBudgetError, ModelShape, largest_tree, plan_placement, tree_bytes, weight_bytes
 from core.config import TreeConfig
 from core.tune.probe import Probe
-from core.tune.remembered import REMEMBERED, acceptance_path, keep, recall
+from core.tune.remembered import REMEMBERED, acceptance_path, keep, keep_speeds, recall, recall_speeds, speeds_path
 from core.tune.latency import LatencyProfile, interpolate, monotone
 from core.spec.tree import make_tree
-from core.tune.tuner import (MIN_DRAFTS, PositionalAcceptance, PROBE_EVERY, Meter, Pins, TreeRival, Tuner, Turn, best_shape,
+from core.tune.tuner import (MIN_DRAFTS, PositionalAcceptance, PROBE_EVERY, RIVAL_RUNS, Meter, Pins, TreeRival, Tuner, Turn, best_shape,
                               node_values, prior_table)
 from core.spec.verify import Acceptance as Accepted, path_offers
 from tests.fakes import FakeNvml
@@ -482,3 +482,43 @@ def test_what_the_chats_taught_starts_the_next_session_scaled_down(tmp_path):
     assert fresh.plan(100).tree.depth < tuner().plan(100).tree.depth     # a shallower first plan than the prior's
     path.write_text("{not json")
     assert torch.equal(recall(path, prior_table((0.7,))).trials, torch.zeros_like(prior_table((0.7,))))  # said, ignored
+
+
+def test_where_eagle_is_predicted_slow_prompt_lookup_measured_slow_is_passed_over():
+    """A fresh server on a CPU where a 2-token verify costs 1.5x one: EAGLE predicted 0.93x, so the
+    ladder fell to prompt lookup, which ran three answers at 0.6x before plain. Now one, and its
+    slow answer moves no rung: EAGLE is predicted again at every turn."""
+    t = live_tuner()
+    t.acceptance = PositionalAcceptance(prior_table((0.01,)))   # EAGLE hopeless here
+    assert turn(t, 0.6) == "prompt_lookup"
+    plan = t.plan(100)
+    assert plan.rung == "plain" and "prompt lookup measured 0.60x plain over its last 1 answers" in plan.reason
+    assert [turn(t, 1.0) for _ in range(3)] == ["plain"] * 3
+    assert t.rung == 0                                            # the ladder itself never moved
+    t.acceptance = PositionalAcceptance(prior_table((0.9, 0.9)))  # the head proves good: EAGLE again
+    assert t.plan(100).rung == "tree"
+    for _ in range(4):
+        t.record(Turn("prompt_lookup", 64, 64 * t.profile.plain_ms(100) / 1000 / 1.3, t.profile.plain_ms(100)))
+    t.acceptance = PositionalAcceptance(prior_table((0.01,)))
+    assert t.plan(100).rung == "prompt_lookup"                    # measured faster than plain since (a race)
+
+
+def test_answers_measured_speeds_start_the_next_session(tmp_path):
+    """A start knows what earlier answers measured on this machine: no first slow prompt lookup
+    answer where it measured slower than plain, and a rival a race found faster is planned."""
+    path = speeds_path(tmp_path, {"model": "m", "device": "cpu x2"})
+    first = tuner(alphas=(0.01,))
+    first.keep_heard = lambda heard: keep_speeds(path, heard)
+    for speedup in (0.7, 0.6):
+        slow_turn(first, speedup, "prompt_lookup")
+    first.drafters["lookahead"] = None
+    for _ in range(RIVAL_RUNS + 2):
+        slow_turn(first, 1.3, "lookahead")
+    heard = recall_speeds(path)
+    assert heard == {"prompt_lookup": [0.7, 0.6], "lookahead": [1.3] * RIVAL_RUNS}   # each kept to its last RIVAL_RUNS
+    fresh = Tuner(CPU, PositionalAcceptance(prior_table((0.01,))), Pins(), {**first.drafters}, max_size=96, heard=heard)
+    assert fresh.plan(100).rung == "lookahead"
+    del fresh.drafters["lookahead"]
+    assert fresh.plan(100).rung == "plain"                       # prompt lookup measured 0.65x: passed over
+    path.write_text("[1, 2")
+    assert recall_speeds(path) == {}                              # said, ignored

@@ -35,7 +35,7 @@ from core.text import render_prompt
 from core.tune.skip import SkipChoice, choose_exit, choose_skip, is_layerskip_checkpoint
 from core.tune.latency import (LARGE_SIZES, SIZES, LatencyProfile, cached_profile, head_identity, level_costs, measure_profile,
                                profile_key, profile_mismatch, time_rerank)
-from core.tune.remembered import acceptance_path, keep, recall
+from core.tune.remembered import acceptance_path, keep, keep_speeds, recall, recall_speeds, speeds_path
 from core.tune.tuner import Pins, PositionalAcceptance, TreeRival, Tuner, prior_table
 from models import attention, q4_rows
 from models.amx import source_digest as amx_source_digest
@@ -243,8 +243,10 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
     if spec.strategy == "layer_skip":   # measured on first use only: a minute on 2 cores for the embedded model
         drafters["layer_skip"] = layer_skip_drafter(engine, profile, spec.cache_dir)
     rivals = {"medusa": medusa_rival(drafters["medusa"], engine, spec.medusa)} if "medusa" in drafters else {}
+    speeds = speeds_path(spec.cache_dir, key)   # the answers' measured speedups, this machine's (remembered.py)
     tuner = Tuner(profile, acceptance, pins, drafters, max_size=max_size, keep=keeper,
-                  best_first=slow and "eagle" in drafters, tree_rivals=rivals)
+                  best_first=slow and "eagle" in drafters, tree_rivals=rivals, heard=recall_speeds(speeds),
+                  keep_heard=functools.partial(keep_speeds, speeds))
     return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, kernels)
 
 

@@ -7,6 +7,11 @@ start's first answer ran a tree that lost to plain decoding (0.69-0.77x on the p
 before the rounds taught the tuner better. The counts the chats taught are kept per model,
 quantization and head (acceptance is the model's and the head's, not the machine's) and start the
 next session, scaled down to REMEMBERED offers per depth so that its own chats still move them.
+
+The measured speedups of the last answers of each drafter (`Tuner.heard`: the rivals', prompt
+lookup's, from turns, races and A/Bs) are kept too, per model, head and machine (the latency
+profile's key: a speedup is this machine's), so that a start plans a rival an earlier race found
+faster, and does not try again a prompt lookup that measured slower than plain.
 """
 
 import hashlib
@@ -16,7 +21,7 @@ from pathlib import Path
 import torch
 
 from core.files import write_whole
-from core.tune.tuner import PositionalAcceptance
+from core.tune.tuner import RIVAL_RUNS, PositionalAcceptance
 
 VERSION = 1
 REMEMBERED = 64.0   # offers per depth a start keeps of what earlier sessions saw
@@ -51,3 +56,25 @@ def recall(path: Path, prior: torch.Tensor) -> PositionalAcceptance:
 def keep(path: Path, acceptance: PositionalAcceptance) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_whole(path, json.dumps({"hits": acceptance.hits.tolist(), "trials": acceptance.trials.tolist()}).encode())
+
+
+def speeds_path(cache_dir: Path, profile_key: dict) -> Path:
+    digest = hashlib.sha1(json.dumps({"version": VERSION, **profile_key}, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir / "speeds" / f"{digest}.json"
+
+
+def recall_speeds(path: Path) -> dict[str, list[float]]:
+    """The measured speedups earlier sessions kept at `path` (strategy -> last answers'), or none."""
+    if not path.is_file():
+        return {}
+    try:
+        heard = json.loads(path.read_text())
+        return {str(name): [float(x) for x in runs][-RIVAL_RUNS:] for name, runs in heard.items()}
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+        print(f"Aerie: the tuner starts without earlier answers' speeds: {path} is unreadable ({e}).", flush=True)
+        return {}
+
+
+def keep_speeds(path: Path, heard: dict[str, list[float]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_whole(path, json.dumps({name: runs[-RIVAL_RUNS:] for name, runs in heard.items()}).encode())

@@ -12,7 +12,9 @@ A shape's expected speed is E[tokens per round] / E[round time] (DESIGN.md secti
     + the catch-up step over the tokens the last round committed + the rerank (core/tune/latency.py).
 Plain decoding costs profile.plain_ms(context) per token, so predicted speedup = speed x plain_ms.
 
-The ladder: tree -> chain -> prompt lookup -> plain. A rung is left when its measured speedup
+The ladder: tree -> chain -> prompt lookup -> plain. Where the EAGLE rungs are predicted slower than
+plain, prompt lookup is passed over too while its last `RIVAL_RUNS` answers (races and A/Bs
+included) measured slower than plain, and its turns there move no rung. A rung is left when its measured speedup
 (tokens per second of engine time in the rounds after the prefill, times plain decoding's time
 per token: see `Meter`) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, at once when
 a turn measures it slower than plain (below `SLOWER_THAN_PLAIN`), or when the model predicts the
@@ -256,11 +258,13 @@ class Tuner:
 
     def __init__(self, profile: LatencyProfile, acceptance: PositionalAcceptance, pins: Pins, drafters: dict, max_size: int,
                  keep: Callable[[PositionalAcceptance], None] | None = None, best_first: bool = False,
-                 tree_rivals: dict[str, TreeRival] | None = None):
+                 tree_rivals: dict[str, TreeRival] | None = None, heard: dict[str, list[float]] | None = None,
+                 keep_heard: Callable[[dict[str, list[float]]], None] | None = None):
         """drafters: name -> drafter, "plain" and "prompt_lookup" always, "eagle" with a head; `keep`
         stores the acceptance after each EAGLE turn (core/tune/remembered.py); `best_first`: the
         target is slow (offloaded), so the tree rung plans SpecExec's big trees (`shape`);
-        `tree_rivals`: the rivals whose trees it shapes and whose speed it predicts (Medusa)."""
+        `tree_rivals`: the rivals whose trees it shapes and whose speed it predicts (Medusa); `heard`:
+        the measured speedups earlier sessions kept, and `keep_heard` stores them after each answer."""
         self.profile, self.acceptance, self.pins, self.max_size = profile, acceptance, pins, max_size
         self.best_first = best_first
         self.tree_rivals = tree_rivals or {}   # name -> TreeRival: the rivals whose trees the tuner shapes
@@ -269,7 +273,8 @@ class Tuner:
         self.pin(pins.strategy)
         self.turns: list[Turn] = []
         self.draft_clock = DraftClock()
-        self.heard: dict[str, list[float]] = {}   # strategy -> measured speedups of its answers, oldest first
+        self.heard: dict[str, list[float]] = dict(heard or {})   # strategy -> measured speedups of its answers, oldest first
+        self.keep_heard = keep_heard
 
     def pin(self, strategy: str | None) -> None:
         """Decode with `strategy` (a drafter's name) from the next answer on, or None: the tuner's
@@ -351,7 +356,9 @@ class Tuner:
     def record(self, turn: Turn) -> None:
         """Any answer's measured speed, the tuner's turn or not (a race's, an A/B's)."""
         if turn.speedup is not None and turn.tokens >= MIN_TURN_TOKENS:
-            self.heard.setdefault(turn.strategy, []).append(turn.speedup)
+            self.heard[turn.strategy] = [*self.heard.get(turn.strategy, []), turn.speedup][-RIVAL_RUNS:]
+            if self.keep_heard is not None:
+                self.keep_heard(self.heard)
 
     def _ladder_plan(self, context: float) -> Plan:
         plain_ms, scale = self.profile.plain_ms(context), self.draft_clock.scale
@@ -363,6 +370,13 @@ class Tuner:
                                            f"on {LABELS[self.rungs[self.rung]]}", note]))
         for index in range(top, len(self.rungs)):
             rung = self.rungs[index]
+            # Reached only because the rungs above were predicted slow (not the ladder's own rung, nor a probe):
+            # prompt lookup is passed over too while it measures slower than plain.
+            slow = self.measured(rung) if rung == "prompt_lookup" and index > max(self.rung, top) else None
+            if slow is not None and slow < SLOWER_THAN_PLAIN and index < len(self.rungs) - 1:
+                note = "; ".join(filter(None, [f"{LABELS[rung]} measured {slow:.2f}x plain over its last "
+                                               f"{len(self.heard[rung][-RIVAL_RUNS:])} answers", note]))
+                continue
             if rung not in ("tree", "chain"):
                 return Plan(rung, None, None, self._why(rung, plain_ms, context, note))
             if self.pins.static is not None:
@@ -422,6 +436,8 @@ class Tuner:
         measured, trial, self.trial = turn.speedup, self.trial, None
         if measured is None or turn.tokens < MIN_TURN_TOKENS:
             return  # too short to judge: a due probe stays due
+        if self.planned is not None and self.planned.rung in self.rungs and self.rungs.index(self.planned.rung) > self.rung:
+            return  # a rung below the ladder's, planned because those above were predicted slow: its record judges it
         if trial is not None:
             self.since_probe = 0
             if measured >= DEMOTE_BELOW:
