@@ -28,18 +28,22 @@ IDLE = """() => [...document.querySelectorAll('#aerie-input button')]
 
 
 class PageClient:
-    """Chromium on the page of a running Aerie server at `url`; close() ends it."""
+    """Chromium on the page of a running Aerie server at `url`; close() ends what it started. A
+    caller that runs Playwright already passes its `browser` (one Playwright per thread)."""
 
-    def __init__(self, url: str, chromium: Path = CHROMIUM):
-        try:
-            from playwright.sync_api import sync_playwright
-        except ImportError as e:
-            raise AerieError("bench --page drives Chromium with Playwright: pip install playwright") from e
-        if not chromium.is_file():
-            raise AerieError(f"bench --page needs Chromium at {chromium} (apt-get install chromium)")
-        self._playwright = sync_playwright().start()
-        self._browser = self._playwright.chromium.launch(executable_path=str(chromium))
-        self.tab = self._browser.new_page(viewport={"width": 1280, "height": 800})
+    def __init__(self, url: str, chromium: Path = CHROMIUM, browser=None):
+        self._playwright = self._browser = None
+        if browser is None:
+            try:
+                from playwright.sync_api import sync_playwright
+            except ImportError as e:
+                raise AerieError("bench --page drives Chromium with Playwright: pip install playwright") from e
+            if not chromium.is_file():
+                raise AerieError(f"bench --page needs Chromium at {chromium} (apt-get install chromium)")
+            self._playwright = sync_playwright().start()
+            browser = self._browser = self._playwright.chromium.launch(executable_path=str(chromium))
+        self._context = browser.new_context(viewport={"width": 1280, "height": 800})
+        self.tab = self._context.new_page()
         self.tab.goto(url)
         self.tab.locator("#aerie-memory").filter(has_text="RAM").wait_for(timeout=WAIT_MS)
         self._max_new: int | None = None
@@ -80,5 +84,7 @@ class PageClient:
         self._max_new = max_new
 
     def close(self) -> None:
-        self._browser.close()
-        self._playwright.stop()
+        self._context.close()
+        if self._browser is not None:
+            self._browser.close()
+            self._playwright.stop()

@@ -185,12 +185,12 @@ def test_the_monitor_shows_memory_and_the_tuner(page):
     expect(page.locator("#aerie-header")).to_contain_text(re.compile(r"· (EAGLE head|prompt lookup|plain decoding)"))
 
 
-def test_the_bench_page_client_times_answers_the_page_shows(server):
+def test_the_bench_page_client_times_answers_the_page_shows(server, browser):
     """bench --page's client (core/served_page.py): each prompt in a new chat, greedy, its tokens
     and text as the page shows them."""
     from core.served_page import PageClient
 
-    client = PageClient(server[0])
+    client = PageClient(server[0], browser=browser)
     try:
         first = client.answer("Name three colours.", 12)
         second = client.answer("Name three fruits.", 12)
