@@ -57,12 +57,13 @@ class Tally:
     tie_divergences: int = 0    # answers that left plain's only at a near-tie (runner.tie_margin)
     tree_tokens: int = 0        # tokens verified by the rounds after the prefill (tree sizes, summed)
     trees: Counter = field(default_factory=Counter)  # tuned runs: prompts per tree shape
+    shown: list[float] = field(default_factory=list)  # each answer's speedup as the page shows it (a tuner's runs)
 
     @classmethod
     def of(cls, log: TurnLog, seconds: float) -> "Tally":
         s, tree = log.stats, log.plan.tree if log.plan else None
         return cls(s.new_tokens, seconds, s.target_steps, s.accepted, s.drafted, log.draft_s, log.verify_s, log.commit_s,
-                   trees=Counter([shape_name(tree)]) if tree else Counter())
+                   trees=Counter([shape_name(tree)]) if tree else Counter(), shown=[s.speedup] if s.speedup else [])
 
     def add(self, other: "Tally") -> None:
         for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s",
@@ -71,6 +72,7 @@ class Tally:
         self.lossless = None if None in (self.lossless, other.lossless) else self.lossless and other.lossless
         self.tie_divergences += other.tie_divergences
         self.trees.update(other.trees)
+        self.shown += other.shown
 
 
 @dataclass
@@ -312,6 +314,8 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
                  "lossless": t.lossless, "tie_divergences": t.tie_divergences, "peak_mem_mb": round(res.peak_mem_mb)}
         if t.rounds > len(prompts):
             entry["tree_tokens"] = round(t.tree_tokens / (t.rounds - len(prompts)), 1)  # verified per round, mean
+        if t.shown:   # what the page would have shown, against speedup_vs_plain (the wall-clock ratio)
+            entry["shown_speedup"] = round(sum(t.shown) / len(t.shown), 3)
         if hf is not None:
             h = hf.total
             entry["speedup_vs_hf"] = round((t.tokens / t.seconds) / (h.tokens / h.seconds), 3)

@@ -27,6 +27,7 @@ def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
     assert s["eagle"]["tree"] == {"depth": 2, "top_k": 3, "total_tokens": 6}
     assert set(s["eagle"]["round_ms"]) == {"draft", "verify", "commit"}
     assert s["eagle"]["accept_rate"] is not None and "speedup_vs_hf" in s["eagle"]
+    assert s["eagle"]["shown_speedup"] > 0 and "shown_speedup" not in s["plain"]   # the page's, beside the wall clock's
     assert json.loads(json.dumps(report))["strategies"].keys() == s.keys()  # launch.py prints it as one JSON line
     assert "category" in capsys.readouterr().out  # the per-category table
 
