@@ -62,7 +62,8 @@ CORE_ROOMS = {
     "service": {"runtime", "spec", "tune", "service", "engine", "text"},
     "train": {"runtime", "spec", "train", "text"},
     "served": set(),
-    "bench": {"runtime", "spec", "tune", "service", "engine", "text", "served"},
+    "served_page": {"served"},   # bench --page: the page through Chromium, answers as core/served.py's
+    "bench": {"runtime", "spec", "tune", "service", "engine", "text", "served", "served_page"},
 }
 
 
