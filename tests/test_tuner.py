@@ -522,3 +522,27 @@ def test_answers_measured_speeds_start_the_next_session(tmp_path):
     assert fresh.plan(100).rung == "plain"                       # prompt lookup measured 0.65x: passed over
     path.write_text("[1, 2")
     assert recall_speeds(path) == {}                              # said, ignored
+
+
+def test_prompt_lookup_drafts_chains_as_long_as_pay_on_the_machine():
+    """Its fixed 8-token, 2-branch trees cost 6x a token's verify on a 2-core CPU; shaped by its own
+    acceptance and the profile, it drafts a short chain there and the longest on a GPU, and learns."""
+    from core.service.factory import lookup_rival
+    from core.spec.drafters import PromptLookupDrafter
+
+    lengths, tuners = {}, {}
+    for name, prof in (("cpu", CPU), ("gpu", GPU)):
+        drafter = PromptLookupDrafter()
+        t = tuners[name] = Tuner(prof, PositionalAcceptance(prior_table((0.01,))), Pins(),
+                                 {"plain": None, "prompt_lookup": drafter}, max_size=96,
+                                 tree_rivals={"prompt_lookup": lookup_rival()})
+        t.ready("prompt_lookup", 100)
+        lengths[name] = drafter.cfg.num_tokens
+        assert drafter.cfg.branches == 1 and drafter.tree.top_k == 1
+        assert t.plan(100).rung == "prompt_lookup"          # a ladder rung still, never planned as a rival
+    assert lengths["cpu"] < 8 == lengths["gpu"]
+    cpu = tuners["cpu"]
+    for _ in range(200):
+        cpu.observe_round("prompt_lookup", [(1, 0)] * 8)   # here every copy it starts runs to the end
+    cpu.ready("prompt_lookup", 100)
+    assert cpu.drafters["prompt_lookup"].cfg.num_tokens > lengths["cpu"]   # longer chains, from what it taught

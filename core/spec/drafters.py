@@ -8,10 +8,11 @@ Drafters see token ids and target outputs; they know nothing about text or the U
 """
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from core.config import TreeConfig
 from core.spec.tree import Draft, DraftTree, make_tree, root_only
 
 
@@ -87,6 +88,19 @@ class PromptLookupDrafter:
 
     def draft(self, context: list[int], fresh) -> Draft:
         return Draft(trie_tree(context[-1], self.continuations(context)))
+
+    @property
+    def tree(self) -> TreeConfig:
+        """The largest tree it drafts, as the tuner names shapes: `branches` chains of num_tokens."""
+        return TreeConfig(depth=self.cfg.num_tokens - 1, top_k=self.cfg.branches,
+                          total_tokens=1 + self.cfg.num_tokens * self.cfg.branches)
+
+    def reshape(self, tree: TreeConfig) -> None:
+        """Draft the tuner's chain (core/tune/tuner.py `TreeRival`): one continuation of
+        total_tokens - 1 tokens, as long as a verify of that many pays on this machine."""
+        if tree.top_k != 1 or tree.total_tokens < 2:
+            raise ValueError(f"prompt lookup drafts chains; got {tree}")
+        self.cfg = replace(self.cfg, num_tokens=tree.total_tokens - 1, branches=1)
 
 
 def trie_tree(root: int, sequences: list[list[int]]) -> DraftTree:

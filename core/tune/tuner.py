@@ -205,14 +205,16 @@ def node_values(q: torch.Tensor, depth: int, top_k: int) -> torch.Tensor:
 
 @dataclass
 class TreeRival:
-    """A rival that drafts trees (Medusa): its shape is planned as EAGLE's is, from its own positional
-    acceptance (learned from its rounds, starting from its heads' held-out chain) and its measured
-    draft cost, fixed_ms + level_ms for each depth drafted (one head each), plus a rerank for a tree."""
+    """A drafter of trees besides EAGLE (Medusa; prompt lookup's chains): its shape is planned as
+    EAGLE's is, from its own positional acceptance (learned from its rounds, starting from a prior:
+    Medusa's heads' held-out chain) and its draft cost, fixed_ms + level_ms for each depth drafted
+    (one head each), plus a rerank for a tree. `chain`: it drafts chains only."""
     acceptance: PositionalAcceptance
-    max_depth: int       # expansion steps its heads reach: heads - 1
+    max_depth: int       # expansion steps it reaches: Medusa's heads - 1
     fixed_ms: float
     level_ms: float
     rerank_ms: float = 0.0
+    chain: bool = False
 
     def draft_ms(self, depth: int, top_k: int, caught_up: float) -> float:
         return self.fixed_ms + self.level_ms * (depth + 1) + (self.rerank_ms if top_k > 1 else 0.0)
@@ -314,7 +316,7 @@ class Tuner:
 
     def rival_shape(self, name: str, context: float) -> Shape:
         rival = self.tree_rivals[name]
-        return best_shape(rival.acceptance.q(), self.profile, context, self.max_size, Pins(), False, rival=rival)
+        return best_shape(rival.acceptance.q(), self.profile, context, self.max_size, Pins(), rival.chain, rival=rival)
 
     def plan(self, context: float) -> Plan:
         plan = self._ladder_plan(context)
@@ -333,7 +335,7 @@ class Tuner:
         fastest such, planned with its best shape. Once its answers are measured, `plan` goes by those."""
         plain_ms, best = self.profile.plain_ms(context), None
         for name in self.tree_rivals:
-            if self.measured(name) is not None:
+            if name not in RIVALS or self.measured(name) is not None:   # prompt lookup is a rung, shaped only
                 continue
             shape = self.rival_shape(name, context)
             predicted = shape.tokens / shape.round_ms * plain_ms
