@@ -24,6 +24,13 @@ stamp "compiled bench"; grep -v Loading $OUT/bench-compiled.log | tail -14 | cut
 timeout 90 python3 $A bench $B --limit 3 --no-compile --strategies plain,eagle > $OUT/bench-eager.log 2>&1
 stamp "eager bench"; tail -1 $OUT/bench-eager.log | cut -c1-600
 tar -cf $OUT/profiles.tar -C ~/.cache/aerie profiles 2>/dev/null
+# SpecExec's regime on a real GPU (issue 19 pt 4): a VRAM reserve that leaves the target ~0.15 GiB of the card, so the
+# placement offloads part of it to RAM and the tuner must plan best-first trees (trees_used best_first_*), lossless.
+# Written without a GPU (session 28): if the reserve leaves too little for the KV cache, the log says so; adjust R.
+R=$(python3 -c "import torch; print(round(torch.cuda.mem_get_info()[0] / 2**30 - 0.15, 2))")
+timeout 90 python3 $A bench --device cuda --quant nf4 --vram-reserve $R --limit 2 --max-new-tokens 48 \
+    --strategies plain,eagle > $OUT/bench-offloaded.log 2>&1
+stamp "offloaded bench (reserve $R GiB)"; grep -v Loading $OUT/bench-offloaded.log | tail -3 | cut -c1-900
 # Head training on CUDA (issue 4 point 1): a short run on distill answers; the head it writes then
 # loads back into the engine and must stay lossless.
 xz -dc .gpu2/distill.jsonl.xz > /tmp/aerie/distill.jsonl
