@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# The answers in the chat (the assistant's bubbles, less the rows Gradio draws as accordions: an
+# answer's statistics and its A/B comparison) and the browser, as bench --page finds them.
+from core.served_page import ANSWERS, CHROMIUM  # noqa: F401 - CHROMIUM: the browser test modules import it from here
+
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT = ROOT / "assets" / "screenshot.png"
 VIEWPORT = {"width": 1280, "height": 800}
 WAIT_MS = 180_000  # the longest wait for an answer on a busy 2-core CPU
@@ -18,9 +21,6 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not 
 expect = sync_api.expect
 expect.set_options(timeout=SEE_MS)
 
-# The answers in the chat: the assistant's bubbles, less the rows Gradio draws as accordions
-# ("thoughts": an answer's statistics and its A/B comparison).
-ANSWERS = "#aerie-chat .message:not(.thought) > [data-testid='bot']"
 # Records what the user sees of the chat each time it changes: how many answers, the last one's
 # text, the stats line, and whether Send is back (visible and enabled). Python then waits on and
 # reads window.aerieSeen, so no quick change is missed between two polls.

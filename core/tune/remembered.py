@@ -28,8 +28,12 @@ REMEMBERED = 64.0   # offers per depth a start keeps of what earlier sessions sa
 
 
 def acceptance_path(cache_dir: Path, key: dict) -> Path:
+    return keyed_path(cache_dir / "acceptance", key)
+
+
+def keyed_path(folder: Path, key: dict) -> Path:
     digest = hashlib.sha1(json.dumps({"version": VERSION, **key}, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir / "acceptance" / f"{digest}.json"
+    return folder / f"{digest}.json"
 
 
 def recall(path: Path, prior: torch.Tensor) -> PositionalAcceptance:
@@ -59,8 +63,7 @@ def keep(path: Path, acceptance: PositionalAcceptance) -> None:
 
 
 def speeds_path(cache_dir: Path, profile_key: dict) -> Path:
-    digest = hashlib.sha1(json.dumps({"version": VERSION, **profile_key}, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir / "speeds" / f"{digest}.json"
+    return keyed_path(cache_dir / "speeds", profile_key)
 
 
 def recall_speeds(path: Path) -> dict[str, list[float]]:
@@ -77,4 +80,4 @@ def recall_speeds(path: Path) -> dict[str, list[float]]:
 
 def keep_speeds(path: Path, heard: dict[str, list[float]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(path, json.dumps({name: runs[-RIVAL_RUNS:] for name, runs in heard.items()}).encode())
+    write_whole(path, json.dumps(heard).encode())   # Tuner.record keeps each drafter's last RIVAL_RUNS
