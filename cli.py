@@ -121,6 +121,8 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
                    "reaches and gets wrong (the errors a verify exposes); 0 = none")
     p.add_argument("--fc-norm", action="store_true", help="eagle1: an RMSNorm on each of fc's inputs (EAGLE-3.1's "
                    "fc_norm; the head then loads in Aerie, not in vLLM's EAGLE-1 loader)")
+    p.add_argument("--amp", choices=["fp32", "bf16"], default="fp32", help="the head's training matmuls on a CPU: fp32, "
+                   "or bf16 autocast with fp32 master weights (faster where the CPU has AMX or AVX512-BF16)")
     p.add_argument("--flattest", type=float, metavar="SHARE", help="train on this share of the conversations, those "
                    "whose answers the target is least sure of (highest mean entropy); default: all")
     p.add_argument("--seed", type=int, default=0)

@@ -278,7 +278,7 @@ def run_train(args: argparse.Namespace) -> None:
     try:
         cfg = TrainConfig(kind=args.kind, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                           batch_tokens=args.batch_tokens, noise=args.noise, weight_decay=args.weight_decay, ttt_steps=args.ttt_steps,
-                          objective=args.objective, replay=args.replay, flattest=args.flattest, fc_norm=args.fc_norm,
+                          objective=args.objective, replay=args.replay, flattest=args.flattest, fc_norm=args.fc_norm, amp=args.amp,
                           init_layer=args.init_from_target,
                           init_head=args.init_from, medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers,
                           medusa_own_projection=args.medusa_own_projection,

@@ -63,9 +63,11 @@ def checkpoint_head(out):
 
 
 @pytest.mark.parametrize("cfg", [CFG, replace(CFG, init_layer=-1),
-                                 replace(CFG, kind="eagle3", draft_vocab=160, ttt_steps=3)], ids=["eagle1", "init", "eagle3"])
+                                 replace(CFG, kind="eagle3", draft_vocab=160, ttt_steps=3), replace(CFG, amp="bf16")],
+                         ids=["eagle1", "init", "eagle3", "bf16"])
 def test_training_lowers_the_loss_and_the_head_drafts_losslessly(model, answers, tmp_path, cfg):
     summary = train(tiny_target(model), data(answers, tmp_path), cfg, tmp_path / "head")
+    assert summary["amp"] == cfg.amp
     curve = losses(tmp_path / "head")
     assert curve[-1] < 0.7 * curve[0], curve
     assert summary["finished"] and summary["val"]["acc0"] > 0.2 and summary["train_positions"] > 0

@@ -60,6 +60,7 @@ class TrainConfig:
     replay: float = 0.0                # a row the head's chain reaches and the target rejects weighs 1 + this
     flattest: float | None = None      # train on this share of the conversations, those the target is least sure of
     fc_norm: bool = False              # eagle1: EAGLE-3.1's RMSNorm on each of fc's inputs
+    amp: str = "fp32"                  # the head's matmuls on a CPU: fp32, or bf16 autocast (fp32 master weights)
     medusa_heads: int = 4              # medusa: heads, guessing 2..K+1 tokens ahead
     medusa_layers: int = 1             # medusa: ResBlocks per head
     medusa_own_projection: bool = False  # medusa: each head its own projection (Medusa-1's), not the target's LM head
@@ -86,6 +87,8 @@ class TrainConfig:
             raise ValueError(f"--replay must be >= 0 and --flattest in (0, 1], not {self.replay} and {self.flattest}")
         if self.medusa_heads < 1 or self.medusa_layers < (0 if self.medusa_own_projection else 1):
             raise ValueError("Medusa heads need --medusa-heads >= 1 and, sharing the model's LM head, --medusa-layers >= 1.")
+        if self.amp not in ("fp32", "bf16"):
+            raise ValueError(f"--amp must be fp32 or bf16, not {self.amp}")
         if self.epochs < 1 or self.steps < 1 or self.batch_tokens < 2:
             raise ValueError(f"bad training config {self}")
 
@@ -111,9 +114,14 @@ class Run:
     """What every step needs besides the config."""
 
     device: torch.device
-    amp: torch.dtype | None          # autocast dtype where the target computes in 16 bits
+    amp: torch.dtype | None          # autocast dtype where the target computes in 16 bits (validation: as served)
     noise_amp: float                 # a of U(-a, a)
     vocab: DraftVocab                # the columns the head is scored on
+    train_amp: torch.dtype | None = None  # the training steps' autocast dtype (--amp bf16 on a CPU), else amp
+
+    @property
+    def step_amp(self) -> torch.dtype | None:
+        return self.train_amp or self.amp
 
 
 @dataclass
@@ -143,8 +151,16 @@ def eagle_trainee(head: EagleHead, cfg: TrainConfig, run: Run) -> Trainee:
     return Trainee(head, loss, lambda valset: evaluate(head, valset, cfg, run), lambda out: save_head(head, out))
 
 
-def autocast(run: Run):
-    return torch.autocast(run.device.type, dtype=run.amp or torch.float32, enabled=run.amp is not None)
+def new_run(target: Target, cfg: TrainConfig, noise_amp: float, vocab: DraftVocab) -> Run:
+    """Autocast where the target computes in 16 bits; the training steps also in bf16 where asked (--amp bf16),
+    while validation keeps the precision the head is served in, so its numbers compare across runs."""
+    amp = None if target.dtype == torch.float32 else target.dtype
+    return Run(target.device, amp, noise_amp, vocab, torch.bfloat16 if cfg.amp == "bf16" else None)
+
+
+def autocast(run: Run, training: bool = False):
+    dtype = run.step_amp if training else run.amp
+    return torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
 def train_step(trainee: Trainee, opt: torch.optim.Optimizer, batch: Batch, cfg: TrainConfig, run: Run,
@@ -152,7 +168,7 @@ def train_step(trainee: Trainee, opt: torch.optim.Optimizer, batch: Batch, cfg: 
     trainee.module.train()
     for group in opt.param_groups:
         group["lr"] = lr
-    with autocast(run):
+    with autocast(run, training=True):
         loss, stats = trainee.loss(batch, rng)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -314,14 +330,14 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
         start_fc_norm(head, (float(embedded.float().pow(2).mean().sqrt()), rms))
     kept = load_draft_vocab(cfg.init_head, head.config.vocab_size) if cfg.init_head else None
     vocab = draft_vocab(head, [c.answer_ids for c in train_convs], kept)
-    run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, cfg.noise * rms, vocab)
+    run = new_run(target, cfg, cfg.noise * rms, vocab)
     progress, finished = fit(eagle_trainee(head, cfg, run), trainset, valset, cfg, run, out, resume,
                              [p.stem for p in train_paths], deadline)
     save_head(head, out)
     if vocab.ids is not None:  # eagle1 over a big vocabulary: the tokens it trained (and drafts) on
         save_draft_vocab(out, vocab.ids.cpu())
     summary = {"out": str(out), "kind": cfg.kind, "objective": cfg.objective, "replay": cfg.replay, "flattest": cfg.flattest,
-               "fc_norm": cfg.fc_norm, "capture_linear": data.linear, "finished": finished, "dropped_benchmark_prompts": dropped,
+               "fc_norm": cfg.fc_norm, "amp": cfg.amp, "capture_linear": data.linear, "finished": finished, "dropped_benchmark_prompts": dropped,
                "train_conversations": len(train_convs), **run_numbers(trainset, valset, cap_train, cap_val, progress),
                "wall_s": round(time.time() - t_start, 1)}
     (out / "train.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from core.train.data import Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_features, make_batch
-from core.train.loop import Run, TrainConfig, Trainee, autocast, conversations, fit, run_numbers, start_run
+from core.train.loop import Run, TrainConfig, Trainee, autocast, conversations, fit, new_run, run_numbers, start_run
 from core.train.losses import DraftVocab, EAGLE1_DRAFT_VOCAB, ahead, frequent_vocab, teacher_loss, weighted_mean
 from models.head_checkpoint import load_draft_vocab
 from models.heads import feature_layers
@@ -115,7 +115,7 @@ def train_medusa(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, 
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
     val_paths, cap_val = capture(target, val_convs, layers, data, folder, "val")
     trainset, valset = load_features(train_paths), load_features(val_paths)
-    run = Run(target.device, None if target.dtype == torch.float32 else target.dtype, 0.0, vocab)
+    run = new_run(target, cfg, 0.0, vocab)
     base = str(model.config.name_or_path)
     trainee = medusa_trainee(heads, vocab, projection, cfg, run, base)
     progress, finished = fit(trainee, trainset, valset, cfg, run, out, resume, [p.stem for p in train_paths], deadline)
