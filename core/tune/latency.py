@@ -13,6 +13,7 @@ divides by it. A profile is cached as JSON per (model, quantization, device, ker
 
 import hashlib
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -30,7 +31,8 @@ WIDTHS = (1, 2, 4, 6, 8, 10)
 SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attention's growth with context
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512
 REPEATS = 5
-VERSION = 9
+WARM = 2
+VERSION = 15
 
 
 @dataclass(frozen=True)
@@ -206,40 +208,39 @@ def monotone(costs: list[float]) -> tuple[float, ...]:
 
 
 def rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) -> list[float]:
-    """time_rounds, with the 1-token round also timed back to back: plain decoding runs that one
-    forward in a loop (its code and data stay warm), while a tree's round alternates with the
-    head's step. Timed only interleaved, plain looked ~15% slower than it runs (measured)."""
-    ms = time_rounds(engine, ids, context, sizes)
-    if sizes[0] == 1:
-        ms[0] = min(ms[0], *time_rounds(engine, ids, context, (1,) * len(sizes)))
-    return ms
-
-
-def time_rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) -> list[float]:
-    """ms of verify + accept + commit of a tree of each size after `context` cached tokens. Sizes
-    are interleaved, so a burst of load from other programs lands on all of them alike instead of
-    inflating one size's block; each keeps its fastest pass. Each timed round follows an untimed
-    one of the same size, as a chat's rounds follow each other: timed right after a round of
-    another size (up to 96 tokens), a 2-token round cost 10.5 ms on the 2-core AMX Xeon where
-    EAGLE's rounds of 2 took 7.1 and plain decoding's 5.0, so the tuner saw EAGLE at 0.65x plain
-    and the page showed 0.69x for answers that ran at 1.00x."""
+    """ms of verify + accept + commit of a tree of each size after `context` cached tokens, each
+    round as a chat runs it: a 1-token round right after another (plain decoding), a tree's right
+    after a head step (EAGLE's draft, untimed). The median of REPEATS rounds after WARM untimed
+    ones, in blocks by size, the sizes walked up and then down: drift and the first block's
+    start-up land on all sizes alike, and a burst of load from other programs costs a block a pass
+    or two, not its median. Interleaved round by round instead, a round paid for the larger one
+    before it (on the 2-core AMX Xeon a 2-token round cost 10.1 ms where EAGLE's took 8.7, and one
+    token as much as two); timed back to back without the head's step between, trees looked ~10%
+    cheaper against one token than in EAGLE's own rounds. The tuner and the page's meter read these
+    ratios."""
     engine.reset()
-    engine.prefill(ids[:context])
+    drafted = engine.prefill(ids[:context])
+    head_step = (engine.drafter.frontier_step(drafted.features[:-1], ids[1:context], 1)
+                 if isinstance(engine.drafter, EagleDrafter) else lambda: None)
     greedy, rng = SamplingConfig(), torch.Generator(device=engine.device)
-    trees = [chain_tree(ids[context], ids[context + 1: context + n]) for n in sizes]
 
     def once(tree) -> None:
         verified = engine.verify(tree)
         engine.commit(engine.accept(tree, verified.logits, greedy, rng), tree)
         engine.runner.truncate(context)
 
-    best = [float("inf")] * len(sizes)
-    for rep in range(REPEATS + 1):  # pass 0 warms up: first-call allocations and kernel selection
-        for i, tree in enumerate(trees):
-            once(tree)
-            ms = timed_once(engine.device, lambda: once(tree))
-            best[i] = min(best[i], ms) if rep else best[i]
-    return best
+    def timed_round(tree) -> float:
+        if len(tree.tokens) > 1:
+            head_step()
+        return timed_once(engine.device, lambda: once(tree))
+
+    passes: dict[int, list[float]] = {n: [] for n in sizes}
+    for n in [*sizes, *reversed(sizes)]:
+        tree = chain_tree(ids[context], ids[context + 1: context + n])
+        for _ in range(WARM):  # first-call allocations, kernel selection, the caches of the size before
+            timed_round(tree)
+        passes[n] += [timed_round(tree) for _ in range(REPEATS)]
+    return [statistics.median(passes[n]) for n in sizes]
 
 
 def time_head_step(drafter, engine, ids: list[int], width: int) -> float:
