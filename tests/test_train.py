@@ -107,7 +107,7 @@ def test_draft_vocabulary_scores_only_its_columns(model):
     vocab = DraftVocab(column_index(ids, 256), ids, model.lm_head.weight[ids])
     hidden = torch.randn(6, 64)
     torch.testing.assert_close(vocab.logits(head, hidden), head.draft_logits(hidden)[:, ids])
-    assert vocab.to_target(head, torch.tensor([0, 3])).tolist() == [3, 200]
+    assert vocab.to_target(torch.tensor([0, 3]), head).tolist() == [3, 200]
     teacher_ids = torch.tensor([[5, 3], [4, 7], [200, 1], [7, 5], [3, 4], [6, 9]])    # rows 1, 5: argmax outside
     ce, kept, _ = token_loss(head, hidden, teacher_ids, torch.zeros(6, 2), vocab, "ce")
     assert kept.tolist() == [True, False, True, True, True, False]

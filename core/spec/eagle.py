@@ -27,7 +27,7 @@ from core.config import TreeConfig
 from core.runtime.head_step import HeadStep
 from core.runtime.memory import storage, tensor_bytes
 from core.spec.specexec import BRANCH, HeadFeed, grow_best_first
-from core.spec.tree import Draft, DraftTree, chain_tree, expand_frontier, make_tree, rerank, static_shape
+from core.spec.tree import Draft, DraftTree, Pool, chain_tree, make_tree, rerank, static_shape
 from models.cpu_quant import quantize_cpu, quantized
 from models.errors import UnsupportedModelError
 from models.heads import vocab_rows
@@ -139,26 +139,15 @@ class EagleDrafter:
     def grow_tree(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
         """EAGLE-2's expand-then-rerank."""
         top_k, device = self.tree.top_k, root_out.device
-        expansion = expand_frontier(torch.zeros(1, device=device), root_logp[None], top_k)
-        pool_scores, pool_parents = [expansion.scores], [torch.full((top_k,), -1, device=device)]
-        pool_tokens = [self.to_target_ids(expansion.tokens)]
-        frontier_pool = expansion.frontier                                      # (top_k,) pool indices
+        pool = Pool(root_logp, top_k, self.to_target_ids)
         parent_out = root_out[None].expand(top_k, -1)                           # (k, H)
         ancestors = torch.eye(top_k, dtype=torch.bool, device=device)           # (k, fed) tree block
         for level in range(self.tree.depth):
-            tokens = torch.cat(pool_tokens)[frontier_pool]                     # (k,) target ids
-            out, logp = self.feed_frontier(tokens, parent_out, ancestors, level)  # (k, H), (k, Vd)
-            expansion = expand_frontier(torch.cat(pool_scores)[frontier_pool], logp, top_k)
-            base = sum(len(s) for s in pool_scores)
-            pool_scores.append(expansion.scores)
-            pool_parents.append(frontier_pool[expansion.parent_slot])
-            pool_tokens.append(self.to_target_ids(expansion.tokens))
-            chosen_parent = expansion.parent_slot[expansion.frontier]          # (k,) slots 0..k-1
+            out, logp = self.feed_frontier(pool.frontier_tokens(), parent_out, ancestors, level)  # (k, H), (k, Vd)
+            chosen_parent = pool.expand(logp)                                   # (k,) slots 0..k-1
             parent_out = out[chosen_parent]
             ancestors = torch.cat([ancestors[chosen_parent], torch.eye(top_k, dtype=torch.bool, device=device)], 1)
-            frontier_pool = base + expansion.frontier
-        return rerank(torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens), root,
-                      self.tree.total_tokens)
+        return pool.rerank(root, self.tree.total_tokens)
 
     def grow_best_first(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
         """SpecExec's tree (core/spec/specexec.py): the best total_tokens - 1 nodes by cumulative

@@ -20,7 +20,7 @@ import torch
 from core.config import TreeConfig
 from core.runtime.memory import storage, tensor_bytes
 from core.spec.eagle import RANKED   # the first head's best guesses ranked for the tuner's acceptance model
-from core.spec.tree import Draft, DraftTree, expand_frontier, make_tree, rerank, static_shape
+from core.spec.tree import Draft, DraftTree, Pool, make_tree, static_shape
 from models.cpu_quant import quantize_cpu, quantized
 from models.errors import UnsupportedModelError
 from models.heads import vocab_rows
@@ -91,19 +91,10 @@ def medusa_tree(root: int, logp: torch.Tensor, top_k: int, total_tokens: int, to
     """logp (D, Vd): head d's log-probs for depth d + 1 -> the best total_tokens - 1 paths' nodes. Each
     frontier node's children are head d's top_k, scored by the path's sum of log-probs (EAGLE-2's
     expand, with the same child distribution for every parent), then reranked."""
-    device = logp.device
-    expansion = expand_frontier(torch.zeros(1, device=device), logp[:1], top_k)
-    scores, parents, tokens = [expansion.scores], [torch.full((top_k,), -1, device=device)], [expansion.tokens]
-    frontier = expansion.frontier                                                   # (k,) pool indices
+    pool = Pool(logp[0], top_k, to_target)
     for level_logp in logp[1:]:
-        frontier_scores = torch.cat(scores)[frontier]                               # (k,)
-        expansion = expand_frontier(frontier_scores, level_logp.expand(len(frontier), -1), top_k)
-        base = sum(len(s) for s in scores)
-        scores.append(expansion.scores)
-        parents.append(frontier[expansion.parent_slot])
-        tokens.append(expansion.tokens)
-        frontier = base + expansion.frontier
-    return rerank(torch.cat(scores), torch.cat(parents), to_target(torch.cat(tokens)), root, total_tokens)
+        pool.expand(level_logp.expand(len(pool.frontier), -1))
+    return pool.rerank(root, total_tokens)
 
 
 def static_medusa_tree(root: int, logp: torch.Tensor, parents: torch.Tensor, rank: torch.Tensor, to_target) -> DraftTree:

@@ -189,6 +189,35 @@ def expand_frontier(frontier_scores: Tensor, child_logp: Tensor, top_k: int) -> 
     return Expansion(scores, tokens.flatten(), parent_slot, frontier)
 
 
+class Pool:
+    """EAGLE-2's candidate pool, grown one expansion a level: every child's score, parent (pool index,
+    -1 for the root's) and target token id, and the frontier (pool indices) to expand next."""
+
+    def __init__(self, root_logp: Tensor, top_k: int, to_target):
+        """root_logp (Vd,): the root's children, in draft columns; to_target maps columns to token ids."""
+        device = root_logp.device
+        first = expand_frontier(torch.zeros(1, device=device), root_logp[None], top_k)
+        self.scores, self.parents = [first.scores], [torch.full((top_k,), -1, device=device)]
+        self.tokens, self.frontier = [to_target(first.tokens)], first.frontier        # frontier (k,)
+        self.top_k, self.to_target = top_k, to_target
+
+    def frontier_tokens(self) -> Tensor:
+        return torch.cat(self.tokens)[self.frontier]                                  # (k,) target ids
+
+    def expand(self, child_logp: Tensor) -> Tensor:
+        """child_logp (k, Vd) of the frontier's nodes -> the new frontier's parents as frontier slots (k,)."""
+        expansion = expand_frontier(torch.cat(self.scores)[self.frontier], child_logp, self.top_k)
+        base = sum(len(s) for s in self.scores)
+        self.scores.append(expansion.scores)
+        self.parents.append(self.frontier[expansion.parent_slot])
+        self.tokens.append(self.to_target(expansion.tokens))
+        self.frontier = base + expansion.frontier
+        return expansion.parent_slot[expansion.frontier]
+
+    def rerank(self, root_token: int, total_tokens: int) -> DraftTree:
+        return rerank(torch.cat(self.scores), torch.cat(self.parents), torch.cat(self.tokens), root_token, total_tokens)
+
+
 def rerank(
     pool_scores: Tensor, pool_parents: Tensor, pool_tokens: Tensor, root_token: int, total_tokens: int
 ) -> DraftTree:

@@ -137,8 +137,11 @@ class DraftVocab:
     def logits(self, head: EagleHead, hidden: torch.Tensor) -> torch.Tensor:
         return head.draft_logits(hidden) if self.weight is None else F.linear(hidden.to(self.weight.dtype), self.weight)
 
-    def to_target(self, head: EagleHead, cols: torch.Tensor) -> torch.Tensor:
-        return head.to_target_ids(cols) if self.ids is None else self.ids[cols]
+    def to_target(self, cols: torch.Tensor, head: EagleHead | None = None) -> torch.Tensor:
+        """Draft columns -> target ids: the kept ids, else the head's own map (EAGLE-3's d2t), else the same."""
+        if self.ids is not None:
+            return self.ids[cols]
+        return cols if head is None else head.to_target_ids(cols)
 
 
 def draft_vocab(head: EagleHead, answers: list[tuple[int, ...]], kept: torch.Tensor | None = None) -> DraftVocab:
@@ -207,7 +210,7 @@ def token_loss(head: EagleHead, hidden: torch.Tensor, ids: torch.Tensor, logits:
     """hidden (M, H), teacher top-K ids/logits (M, K) -> per-row loss (M,), kept rows (M,), top-1 hit (M,)."""
     z = vocab.logits(head, hidden).float()                               # (M, Vd)
     loss, kept = teacher_loss(z, ids, logits, vocab.index, objective)
-    hit = vocab.to_target(head, z.argmax(-1)) == ids[:, 0]
+    hit = vocab.to_target(z.argmax(-1), head) == ids[:, 0]
     return loss, kept, hit
 
 
@@ -275,7 +278,7 @@ def chain_hits(head: EagleHead, outs: list[torch.Tensor], batch: Batch, vocab: D
     for j, out in enumerate(outs):
         alive &= ahead(batch.has_teacher, 1 + j)
         argmax = ahead(batch.teacher_ids, 1 + j)[alive][:, 0]            # (M,) the target's next token
-        top = vocab.to_target(head, vocab.logits(head, out[alive]).float().topk(5, dim=-1).indices)  # (M, 5)
+        top = vocab.to_target(vocab.logits(head, out[alive]).float().topk(5, dim=-1).indices, head)  # (M, 5)
         hit = top[:, 0] == argmax
         reached.append(len(hit))
         matched.append(int(hit.sum()))

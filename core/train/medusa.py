@@ -67,7 +67,7 @@ def medusa_evaluate(heads: MedusaHeads, valset: FeatureSet, vocab: DraftVocab, p
             with autocast(run):
                 guess = logits_of(heads, k, batch.features[:, :-1], projection).argmax(-1)   # (B, W)
             rows = ahead(batch.has_teacher, 1 + k)
-            right = to_target(vocab, guess) == ahead(batch.teacher_ids, 1 + k)[..., 0]      # (B, W)
+            right = vocab.to_target(guess) == ahead(batch.teacher_ids, 1 + k)[..., 0]      # (B, W)
             hits[k], rows_seen[k] = hits[k] + int((right & rows).sum()), rows_seen[k] + int(rows.sum())
             alive &= rows
             reached[k], matched[k] = reached[k] + int(alive.sum()), matched[k] + int((alive & right).sum())
@@ -75,10 +75,6 @@ def medusa_evaluate(heads: MedusaHeads, valset: FeatureSet, vocab: DraftVocab, p
     alphas = [m / r if r else 0.0 for m, r in zip(matched, reached)]
     return {"acc": [round(h / max(n, 1), 4) for h, n in zip(hits, rows_seen)], "alphas": [round(a, 4) for a in alphas],
             "tau_chain": 1 + sum(math.prod(alphas[: k + 1]) for k in range(K)), "positions": rows_seen[0]}
-
-
-def to_target(vocab: DraftVocab, cols: torch.Tensor) -> torch.Tensor:
-    return cols if vocab.ids is None else vocab.ids[cols]
 
 
 def medusa_vocab(lm_head: torch.Tensor, answers: list[tuple[int, ...]], eagle_head: str | None) -> DraftVocab:
