@@ -46,7 +46,7 @@ def engine_spec(args: argparse.Namespace, **overrides):
     from core.service.factory import EngineSpec
     from core.spec.tree import MC_SIM_7B_63
 
-    from core.tune.tuner import Pins
+    from core.tune.shapes import Pins
 
     head = args.head if args.head is not None else default_head(overrides.get("model", args.model))
     medusa = args.medusa if args.medusa is not None else default_medusa(overrides.get("model", args.model))

@@ -16,7 +16,7 @@ from core.spec.specexec import grow_best_first
 from core.spec.tree import make_tree, rerank
 from core.tune.big_trees import best_first_budget, best_first_growth
 from core.tune.latency import LARGE_SIZES, LatencyProfile
-from core.tune.tuner import Pins, prior_table
+from core.tune.shapes import Pins, prior_table
 from models.errors import UnsupportedModelError
 from tests.conftest import random_head, tiny_llama, tiny_target
 from tests.fakes import run

@@ -13,8 +13,9 @@ from core.tune.probe import Probe
 from core.tune.remembered import REMEMBERED, acceptance_path, keep, keep_speeds, recall, recall_speeds, speeds_path
 from core.tune.latency import LatencyProfile, interpolate, monotone
 from core.spec.tree import make_tree
-from core.tune.tuner import (MIN_DRAFTS, PositionalAcceptance, PROBE_EVERY, RIVAL_RUNS, Meter, Pins, TreeRival, Tuner, Turn, best_shape,
-                              node_values, prior_table)
+from core.tune.meter import MIN_DRAFTS, Meter, Turn
+from core.tune.shapes import PositionalAcceptance, Pins, TreeRival, best_shape, node_values, prior_table
+from core.tune.tuner import PROBE_EVERY, RIVAL_RUNS, Tuner
 from core.spec.verify import Acceptance as Accepted, path_offers
 from tests.fakes import FakeNvml
 

@@ -36,7 +36,8 @@ from core.tune.skip import SkipChoice, choose_exit, choose_skip, is_layerskip_ch
 from core.tune.latency import (LARGE_SIZES, SIZES, LatencyProfile, cached_profile, head_identity, level_costs, measure_profile,
                                profile_key, profile_mismatch, time_rerank)
 from core.tune.remembered import acceptance_path, keep, keep_speeds, recall, recall_speeds, speeds_path
-from core.tune.tuner import Pins, PositionalAcceptance, TreeRival, Tuner, prior_table
+from core.tune.shapes import Pins, PositionalAcceptance, TreeRival, prior_table
+from core.tune.tuner import Tuner
 from models import attention, q4_rows
 from models.amx import source_digest as amx_source_digest
 from models.head_checkpoint import head_training_record, load_draft_vocab, load_head

@@ -96,7 +96,7 @@ class PromptLookupDrafter:
                           total_tokens=1 + self.cfg.num_tokens * self.cfg.branches)
 
     def reshape(self, tree: TreeConfig) -> None:
-        """Draft the tuner's chain (core/tune/tuner.py `TreeRival`): one continuation of
+        """Draft the tuner's chain (core/tune/shapes.py `TreeRival`): one continuation of
         total_tokens - 1 tokens, as long as a verify of that many pays on this machine."""
         if tree.top_k != 1 or tree.total_tokens < 2:
             raise ValueError(f"prompt lookup drafts chains; got {tree}")

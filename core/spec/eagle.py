@@ -32,7 +32,7 @@ from models.cpu_quant import quantize_cpu, quantized
 from models.errors import UnsupportedModelError
 from models.heads import vocab_rows
 
-RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tune/tuner.py RANKS)
+RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tune/shapes.py RANKS)
 
 
 class EagleDrafter:

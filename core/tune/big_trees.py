@@ -2,7 +2,7 @@
 on purpose by `bench --verify-delay-ms`).
 
 A best-first tree of n tokens (core/spec/specexec.py) holds the n - 1 most probable nodes. With
-Sequoia's positional acceptance q[d, r] (core/tune/tuner.py) in place of the head's confidence, a
+Sequoia's positional acceptance q[d, r] (core/tune/shapes.py) in place of the head's confidence, a
 node's value P(accepted) is the product of q along its path, and the tree holds the n - 1 nodes
 of highest value:
   E[tokens per round](n) = 1 + sum of the best n - 1 values (the sorted node values, summed);
@@ -78,7 +78,7 @@ def best_first_budget(q: torch.Tensor, profile: LatencyProfile, context: float, 
                       draft_scale: float = 1.0) -> Budget:
     """The best-first tree (tokens per round n, batch b) with the most expected tokens per ms, n within
     `max_size` (memory) and steps x b within `room` (the head cache's draft rows); drafts cost
-    `draft_scale` times the profile's (tuner.DraftClock). `pins` (tuner.Pins) may fix n, b or the steps."""
+    `draft_scale` times the profile's (meter.DraftClock). `pins` (shapes.Pins) may fix n, b or the steps."""
     growth = best_first_growth(q, max_size - 1)
     gained = [0.0, *torch.tensor(growth.values, dtype=torch.float64).cumsum(0).tolist()]   # gained[j]: best j nodes
     sizes = [pins.total_tokens] if pins.total_tokens else range(2, len(gained) + 1)

@@ -1,7 +1,7 @@
 """What the tuner learned of a head's acceptance, kept between starts.
 
 The first answer after a start is planned from the prior (the head's held-out chain acceptance,
-core/tune/tuner.py `prior_table`), which the chats it serves may not share: the shipped head's
+core/tune/shapes.py `prior_table`), which the chats it serves may not share: the shipped head's
 held-out chains promised 2.6 tokens a round for a d2k1n4 chain where MT-bench gave 1.8, so each
 start's first answer ran a tree that lost to plain decoding (0.69-0.77x on the page, 2-core Zen 4)
 before the rounds taught the tuner better. The counts the chats taught are kept per model,
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from core.files import write_whole
-from core.tune.tuner import RIVAL_RUNS, PositionalAcceptance
+from core.tune.shapes import PositionalAcceptance
+from core.tune.tuner import RIVAL_RUNS
 
 VERSION = 1
 REMEMBERED = 64.0   # offers per depth a start keeps of what earlier sessions saw

@@ -1,16 +1,7 @@
 """The tuner: which drafter, and which tree shape, pays most on this machine for this chat.
 
-A shape's expected speed is E[tokens per round] / E[round time] (DESIGN.md section 6):
-  - E[tokens per round] = 1 + sum over drafted nodes of P(node accepted), with
-    P(node accepted) = product along its path of q[d, r], Sequoia's positional acceptance per depth:
-    q[d, r] = P(the target's next token is the drafter's rank-r child | the path to depth d was
-    accepted). q is learned online from every EAGLE round's `path_offers`, starting from a prior
-    (the head's held-out chain acceptance when its train.json has it). EAGLE-2's tree is simulated
-    with these values in place of the head's confidence: expand the top_k best nodes of each level,
-    `depth` times, then keep the best total_tokens - 1 of the pool.
-  - E[round time] = profile.round(total_tokens, context) + one head step per level at width top_k
-    + the catch-up step over the tokens the last round committed + the rerank (core/tune/latency.py).
-Plain decoding costs profile.plain_ms(context) per token, so predicted speedup = speed x plain_ms.
+Each shape's expected speed comes from core/tune/shapes.py (positional acceptance x the latency
+profile), each answer's measured speedup from core/tune/meter.py.
 
 The ladder: tree -> chain -> prompt lookup -> plain. Where the EAGLE rungs are predicted slower than
 plain, prompt lookup is passed over too while its last `RIVAL_RUNS` answers (races and A/Bs
@@ -38,39 +29,22 @@ stays and probes again `PROBE_EVERY` turns later. A probe that loses costs one t
 PROBE_EVERY + 1; one that wins recovers the speedup for the rest of the chat.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-import torch
-
 from core.config import TreeConfig
-from core.spec.eagle import RANKED
 from core.tune.big_trees import best_first_budget
 from core.tune.latency import LatencyProfile
+from core.tune.meter import DraftClock, Meter, Turn
+from core.tune.shapes import Pins, PositionalAcceptance, Shape, TreeRival, best_shape, shape_text
 
-MAX_DEPTH = 7                       # expansion steps searched (longest draft = depth + 1)
-TOP_KS = (1, 2, 3, 4, 6, 8, 10)
-RANKS = RANKED                      # sibling ranks whose acceptance is learned (the root ranks them all)
-RANK_DECAY = 0.3                    # prior: rank r+1 is accepted 0.3x as often as rank r
-PRIOR_STRENGTH = 8.0                # the prior counts as this many observed offers per (depth, rank)
 DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
 SLOWER_THAN_PLAIN = 1.0             # a turn measured below this leaves its rung at once
 RIVALS = ("lookahead", "layer_skip", "medusa")  # drafters chosen on their measured speed alone
 RIVAL_RUNS = 4                      # the last answers a rival's measured speedup is the mean of
 PROBE_EVERY = 8                     # measured turns on a lower rung before one turn tries the rung above
-MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
 LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt lookup", "lookahead": "lookahead",
           "layer_skip": "layer skip", "medusa": "Medusa heads", "plain": "plain decoding"}
-
-
-@dataclass(frozen=True)
-class Pins:
-    """What the user fixed on the command line; None leaves it to the tuner."""
-    strategy: str | None = None       # a drafter's name (core.config.DRAFTERS)
-    depth: int | None = None
-    top_k: int | None = None
-    total_tokens: int | None = None
-    static: TreeConfig | None = None  # EAGLE-1's fixed tree
 
 
 @dataclass(frozen=True)
@@ -83,176 +57,6 @@ class Plan:
     @property
     def strategy(self) -> str:
         return "eagle" if self.rung in ("tree", "chain") else self.rung
-
-
-@dataclass(frozen=True)
-class Turn:
-    strategy: str
-    tokens: int          # tokens committed by the rounds after the prefill
-    engine_s: float      # those rounds' draft + verify + commit time
-    plain_ms: float      # plain decoding's time per token then (Meter.plain_ms)
-    drafts: int = 0                 # EAGLE rounds of a dynamic tree, and their drafting time:
-    draft_s: float = 0.0            # measured
-    draft_profiled_s: float = 0.0   # what the profile says the same drafts cost, at the turn's load
-
-    @property
-    def speedup(self) -> float | None:
-        """Measured speedup over plain decoding (None if the turn made no rounds)."""
-        return self.tokens / self.engine_s * self.plain_ms / 1000 if self.tokens and self.engine_s > 0 else None
-
-
-@dataclass
-class Meter:
-    """One answer's rounds after the prefill, for the measured speedup. Plain decoding's time per
-    token is the profile's at the answer's mean context, rescaled by how this answer's measured
-    verify times compare with the profile's for the same tree sizes: a machine busier (or quieter)
-    than when it was profiled slows plain decoding alike, so the ratio stays honest."""
-    profile: LatencyProfile
-    strategy: str
-    prompt_len: int
-    tokens: int = 0
-    engine_s: float = 0.0
-    verify_s: float = 0.0      # measured verify + accept + commit, what the profile times
-    profiled_s: float = 0.0    # the profile's time for the same rounds
-    tree: TreeConfig | None = None   # the EAGLE tree drafted this turn (None: no dynamic tree)
-    drafts: int = 0
-    draft_s: float = 0.0
-    draft_profiled_s: float = 0.0
-
-    def add(self, step) -> None:
-        self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
-        self.tokens += len(step.new_ids)
-        self.engine_s += step.draft_s + step.verify_s + step.commit_s
-        self.verify_s += step.verify_s + step.commit_s
-        if self.tree is not None:  # the catch-up fed what the last round committed: about this round's count
-            self.drafts += 1
-            self.draft_s += step.draft_s
-            self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, len(step.new_ids)) / 1000
-
-    @property
-    def load(self) -> float:
-        """How much slower than profiled the verifies ran: the machine's load now."""
-        return self.verify_s / self.profiled_s if self.profiled_s > 0 else 1.0
-
-    @property
-    def plain_ms(self) -> float:
-        return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * self.load
-
-    def turn(self) -> Turn:
-        # Drafts profiled at this turn's load: a busier machine slows drafts and verifies alike,
-        # and that must not read as drafts the profile got wrong.
-        return Turn(self.strategy, self.tokens, self.engine_s, self.plain_ms, self.drafts, self.draft_s,
-                    self.draft_profiled_s * self.load)
-
-
-@dataclass
-class DraftClock:
-    """Drafting time measured in chats against the profile's estimate for the same drafts, over all
-    turns. The profile times the head's steps on their own; a chat's drafts may cost more (on an
-    H200, 72 ms per draft of a depth-2, top-10 tree where the profile predicted ~5 ms), so once
-    MIN_DRAFTS drafts back it, best_shape scales draft costs by the ratio."""
-    measured_s: float = 0.0
-    profiled_s: float = 0.0
-    drafts: int = 0
-
-    def add(self, turn: Turn) -> None:
-        self.measured_s += turn.draft_s
-        self.profiled_s += turn.draft_profiled_s
-        self.drafts += turn.drafts
-
-    @property
-    def scale(self) -> float:
-        return self.measured_s / self.profiled_s if self.drafts >= MIN_DRAFTS and self.profiled_s > 0 else 1.0
-
-
-def prior_table(alphas: Sequence[float] | None) -> torch.Tensor:
-    """(MAX_DEPTH + 1, RANKS) prior q: the head's chain acceptance per depth (the last one carried
-    on, 0.5 without any), shared across ranks by RANK_DECAY."""
-    chain = list(alphas or [0.5])
-    chain += [chain[-1]] * (MAX_DEPTH + 1 - len(chain))
-    return torch.tensor(chain[: MAX_DEPTH + 1])[:, None] * RANK_DECAY ** torch.arange(RANKS)[None]
-
-
-@dataclass
-class PositionalAcceptance:
-    """Online counts of offers and acceptances per (depth, rank) on top of a prior."""
-    prior: torch.Tensor                                    # (D, R)
-    hits: torch.Tensor = field(init=False)
-    trials: torch.Tensor = field(init=False)
-
-    def __post_init__(self):
-        self.hits, self.trials = torch.zeros_like(self.prior), torch.zeros_like(self.prior)
-
-    def observe(self, offers: Sequence[tuple[int, int]]) -> None:
-        for depth, (children, rank) in enumerate(offers[: len(self.prior)]):
-            self.trials[depth, : min(children, RANKS)] += 1
-            if 0 <= rank < RANKS:
-                self.hits[depth, rank] += 1
-
-    def q(self) -> torch.Tensor:
-        return (self.hits + PRIOR_STRENGTH * self.prior) / (self.trials + PRIOR_STRENGTH)
-
-
-def node_values(q: torch.Tensor, depth: int, top_k: int) -> torch.Tensor:
-    """P(accepted) of every node EAGLE-2 would draft with this shape, best first: (M,)."""
-    frontier, pool = torch.ones(1), []
-    for level in range(depth + 1):
-        candidates = (frontier[:, None] * q[min(level, len(q) - 1), :top_k][None]).flatten()  # (f * k,)
-        pool.append(candidates)
-        frontier = candidates.topk(min(top_k, len(candidates))).values
-    return torch.cat(pool).sort(descending=True).values
-
-
-@dataclass
-class TreeRival:
-    """A drafter of trees besides EAGLE (Medusa; prompt lookup's chains): its shape is planned as
-    EAGLE's is, from its own positional acceptance (learned from its rounds, starting from a prior:
-    Medusa's heads' held-out chain) and its draft cost, fixed_ms + level_ms for each depth drafted
-    (one head each), plus a rerank for a tree. `chain`: it drafts chains only."""
-    acceptance: PositionalAcceptance
-    max_depth: int       # expansion steps it reaches: Medusa's heads - 1
-    fixed_ms: float
-    level_ms: float
-    rerank_ms: float = 0.0
-    chain: bool = False
-
-    def draft_ms(self, depth: int, top_k: int, caught_up: float) -> float:
-        return self.fixed_ms + self.level_ms * (depth + 1) + (self.rerank_ms if top_k > 1 else 0.0)
-
-
-@dataclass(frozen=True)
-class Shape:
-    tree: TreeConfig
-    tokens: float        # expected tokens per round
-    round_ms: float
-
-
-def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_size: int, pins: Pins,
-               chain: bool, draft_scale: float = 1.0, rival: TreeRival | None = None) -> Shape:
-    """The shape with the most expected tokens per second, within the pins and `max_size`; drafts
-    cost `draft_scale` times what the profile says (DraftClock), or a tree rival's own draft cost."""
-    draft = rival.draft_ms if rival is not None else profile.draft
-    deepest = rival.max_depth if rival is not None else MAX_DEPTH
-    depths = [pins.depth] if pins.depth is not None else range(deepest + 1)
-    widths = [1] if chain else ([pins.top_k] if pins.top_k else TOP_KS)
-    best = None
-    for depth in depths:
-        for k in widths:
-            gained = torch.cat([torch.zeros(1), node_values(q, depth, k).cumsum(0)]).tolist()  # gained[j]: best j nodes
-            sizes = [pins.total_tokens] if pins.total_tokens else range(2, min(len(gained), max_size) + 1)
-            for n in sizes:
-                tokens = 1 + gained[min(n - 1, len(gained) - 1)]
-                ms = profile.round(n, context) + draft_scale * draft(depth, k, tokens)
-                if best is None or tokens / ms > best.tokens / best.round_ms:
-                    best = Shape(TreeConfig(depth=depth, top_k=k, total_tokens=n), tokens, ms)
-    return best
-
-
-def shape_text(t: TreeConfig) -> str:
-    """A tree shape in the plan's words."""
-    if t.best_first:
-        return f"best-first (SpecExec) {t.total_tokens} tokens, {t.top_k} nodes per head step, {t.depth} steps"
-    return f"depth {t.depth}, top-k {t.top_k}, {t.total_tokens} tokens"
 
 
 class Tuner:

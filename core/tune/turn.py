@@ -11,7 +11,8 @@ and the totals the bench reports. The chat service and the bench both run a turn
 from dataclasses import dataclass, replace
 
 from core.config import ReplyStats
-from core.tune.tuner import Meter, Plan, Tuner
+from core.tune.meter import Meter
+from core.tune.tuner import Plan, Tuner
 
 
 @dataclass

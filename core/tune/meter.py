@@ -1,0 +1,89 @@
+"""What an answer measured: its speedup over plain decoding at the machine's load then, and the
+drafts' real cost against the profile's."""
+
+from dataclasses import dataclass
+
+from core.config import TreeConfig
+from core.tune.latency import LatencyProfile
+
+MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
+
+
+@dataclass(frozen=True)
+class Turn:
+    strategy: str
+    tokens: int          # tokens committed by the rounds after the prefill
+    engine_s: float      # those rounds' draft + verify + commit time
+    plain_ms: float      # plain decoding's time per token then (Meter.plain_ms)
+    drafts: int = 0                 # EAGLE rounds of a dynamic tree, and their drafting time:
+    draft_s: float = 0.0            # measured
+    draft_profiled_s: float = 0.0   # what the profile says the same drafts cost, at the turn's load
+
+    @property
+    def speedup(self) -> float | None:
+        """Measured speedup over plain decoding (None if the turn made no rounds)."""
+        return self.tokens / self.engine_s * self.plain_ms / 1000 if self.tokens and self.engine_s > 0 else None
+
+
+@dataclass
+class Meter:
+    """One answer's rounds after the prefill, for the measured speedup. Plain decoding's time per
+    token is the profile's at the answer's mean context, rescaled by how this answer's measured
+    verify times compare with the profile's for the same tree sizes: a machine busier (or quieter)
+    than when it was profiled slows plain decoding alike, so the ratio stays honest."""
+    profile: LatencyProfile
+    strategy: str
+    prompt_len: int
+    tokens: int = 0
+    engine_s: float = 0.0
+    verify_s: float = 0.0      # measured verify + accept + commit, what the profile times
+    profiled_s: float = 0.0    # the profile's time for the same rounds
+    tree: TreeConfig | None = None   # the EAGLE tree drafted this turn (None: no dynamic tree)
+    drafts: int = 0
+    draft_s: float = 0.0
+    draft_profiled_s: float = 0.0
+
+    def add(self, step) -> None:
+        self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
+        self.tokens += len(step.new_ids)
+        self.engine_s += step.draft_s + step.verify_s + step.commit_s
+        self.verify_s += step.verify_s + step.commit_s
+        if self.tree is not None:  # the catch-up fed what the last round committed: about this round's count
+            self.drafts += 1
+            self.draft_s += step.draft_s
+            self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, len(step.new_ids)) / 1000
+
+    @property
+    def load(self) -> float:
+        """How much slower than profiled the verifies ran: the machine's load now."""
+        return self.verify_s / self.profiled_s if self.profiled_s > 0 else 1.0
+
+    @property
+    def plain_ms(self) -> float:
+        return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * self.load
+
+    def turn(self) -> Turn:
+        # Drafts profiled at this turn's load: a busier machine slows drafts and verifies alike,
+        # and that must not read as drafts the profile got wrong.
+        return Turn(self.strategy, self.tokens, self.engine_s, self.plain_ms, self.drafts, self.draft_s,
+                    self.draft_profiled_s * self.load)
+
+
+@dataclass
+class DraftClock:
+    """Drafting time measured in chats against the profile's estimate for the same drafts, over all
+    turns. The profile times the head's steps on their own; a chat's drafts may cost more (on an
+    H200, 72 ms per draft of a depth-2, top-10 tree where the profile predicted ~5 ms), so once
+    MIN_DRAFTS drafts back it, best_shape scales draft costs by the ratio."""
+    measured_s: float = 0.0
+    profiled_s: float = 0.0
+    drafts: int = 0
+
+    def add(self, turn: Turn) -> None:
+        self.measured_s += turn.draft_s
+        self.profiled_s += turn.draft_profiled_s
+        self.drafts += turn.drafts
+
+    @property
+    def scale(self) -> float:
+        return self.measured_s / self.profiled_s if self.drafts >= MIN_DRAFTS and self.profiled_s > 0 else 1.0
