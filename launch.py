@@ -43,7 +43,7 @@ def target_spec(args: argparse.Namespace, batched: bool = False):
 
 def engine_spec(args: argparse.Namespace, **overrides):
     from core.config import TreeConfig
-    from core.service.factory import EngineSpec
+    from core.service.spec import EngineSpec
     from core.spec.tree import MC_SIM_7B_63
 
     from core.tune.shapes import Pins

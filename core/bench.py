@@ -24,7 +24,9 @@ import torch
 from core.text import render_prompt
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
-from core.service.factory import EngineSpec, layer_skip_drafter, load_tuned, make_drafter, target_load_spec
+from core.service.drafters import layer_skip_drafter, make_drafter
+from core.service.factory import load_tuned, target_load_spec
+from core.service.spec import EngineSpec
 from core.served import SERVED, ServedClient, ServedTally
 from core.served_page import PageClient
 from core.tune.tuner import Tuner

@@ -104,7 +104,8 @@ def tiny_dir(tmp_path_factory, tokenizer) -> Path:
 def load_tuned_tiny(tiny_dir: Path, cache_dir: Path):
     """The tiny model with a random EAGLE head, pinned to EAGLE, tuned as the app does. Give each
     module its own cache folder: a profile saved by another module would be reused."""
-    from core.service.factory import EngineSpec, load_tuned
+    from core.service.factory import load_tuned
+    from core.service.spec import EngineSpec
 
     return load_tuned(EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, compile=False,
                                  head="random", strategy="eagle"))

@@ -6,7 +6,7 @@ import pytest
 
 from core.bench import bench, load_prompts
 from core.config import TreeConfig
-from core.service.factory import EngineSpec
+from core.service.spec import EngineSpec
 from core.tune.shapes import Pins
 from tests.conftest import ROOT_ASSETS
 

@@ -13,7 +13,8 @@ import torch
 from core.bench import load_prompts
 from core.text import render_prompt
 from core.config import SamplingConfig
-from core.service.factory import EngineSpec, load_tuned
+from core.service.factory import load_tuned
+from core.service.spec import EngineSpec
 from core.tune.kernels import rows_alone
 from models.cpu_quant import GROUP, TWINS, Int4Linear, Int8Linear, bf16_terms, quantize_cpu, quantized
 from tests.conftest import ROOT_ASSETS, needs_onednn_bf16, tiny_llama

@@ -263,7 +263,7 @@ def test_layerskip_checkpoints_are_known_by_name():
 def test_a_layerskip_checkpoint_drafts_by_early_exit(tmp_path, tokenizer, cache_dir):
     """A model saved as a LayerSkip checkpoint (by name): the bench's layer-skip drafter exits early, losslessly."""
     from core.bench import bench
-    from core.service.factory import EngineSpec
+    from core.service.spec import EngineSpec
     from tests.conftest import ROOT_ASSETS
 
     folder = tmp_path / "models--facebook--layerskip-tiny"

@@ -107,7 +107,8 @@ def test_a_draft_vocabulary_out_of_range_is_refused(tmp_path):
 @pytest.mark.slow
 def test_the_shipped_head_is_lossless_and_accepts(embedded_target):
     from core.text import render_prompt
-    from core.service.factory import EngineSpec, make_drafter
+    from core.service.drafters import make_drafter
+    from core.service.spec import EngineSpec
     from tests.conftest import ROOT_ASSETS
 
     shipped = ROOT_ASSETS / "heads" / "smollm2-135m-instruct"

@@ -144,7 +144,7 @@ def test_a_new_graphs_version_gets_a_new_folder(model, tmp_path, monkeypatch):
     """Bumping GRAPHS_VERSION must move the graphs (it was overwritten by the kernel key's own
     "version", so graphs compiled by older code were loaded as they were)."""
     import core.service.factory as factory
-    from core.service.factory import EngineSpec
+    from core.service.spec import EngineSpec
 
     runner, _ = runner_and_drafter(model)
     engine = SimpleNamespace(runner=runner, target=runner.target)

@@ -191,7 +191,7 @@ def test_bench_verify_delay_option_is_parsed():
 
 def test_bench_with_a_slow_target_plans_best_first_trees(tiny_dir, tmp_path):
     from core.bench import bench
-    from core.service.factory import EngineSpec
+    from core.service.spec import EngineSpec
     from tests.conftest import ROOT_ASSETS
 
     spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=tmp_path, head="random", compile=False,
@@ -211,7 +211,8 @@ def test_bench_with_a_slow_target_plans_best_first_trees(tiny_dir, tmp_path):
 def test_the_shipped_head_drafts_best_first_trees_losslessly_on_the_embedded_model(embedded_target):
     """SpecExec's regime on the real model: the shipped head's best-first trees of 64 nodes (8 fed a
     head step) give plain decoding's text and accept more than a token a round."""
-    from core.service.factory import EngineSpec, make_drafter
+    from core.service.drafters import make_drafter
+    from core.service.spec import EngineSpec
     from core.text import render_prompt
     from tests.conftest import ROOT_ASSETS
 

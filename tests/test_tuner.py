@@ -528,7 +528,7 @@ def test_answers_measured_speeds_start_the_next_session(tmp_path):
 def test_prompt_lookup_drafts_chains_as_long_as_pay_on_the_machine():
     """Its fixed 8-token, 2-branch trees cost 6x a token's verify on a 2-core CPU; shaped by its own
     acceptance and the profile, it drafts a short chain there and the longest on a GPU, and learns."""
-    from core.service.factory import lookup_rival
+    from core.service.drafters import lookup_rival
     from core.spec.drafters import PromptLookupDrafter
 
     lengths, tuners = {}, {}

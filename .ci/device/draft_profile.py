@@ -16,7 +16,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from core.config import SamplingConfig, TreeConfig  # noqa: E402
 from core.engine import Engine  # noqa: E402
-from core.service.factory import EngineSpec, make_drafter  # noqa: E402
+from core.service.drafters import make_drafter  # noqa: E402
+from core.service.spec import EngineSpec  # noqa: E402
 from core.runtime.runner import RunnerConfig, TargetRunner  # noqa: E402
 from models.target import LoadSpec, load_target  # noqa: E402
 

@@ -8,7 +8,8 @@ from typing import Callable, Iterator, NoReturn
 
 from core.config import DRAFTERS, TUNED, ModelChoice, ReplyEvent, SamplingConfig
 from core.errors import AerieError, ModelLoadError, StrategyUnavailableError
-from core.service.factory import layer_skip_drafter, tune
+from core.service.drafters import layer_skip_drafter
+from core.service.factory import tune
 from core.service.switching import SwitchReport, fetch, process_bytes, release
 from core.service.warmup import Pending, Warmup
 from core.service.worker import Worker

@@ -12,82 +12,36 @@ from typing import Callable
 import psutil
 import torch
 
-from core.config import DRAFTERS, PLANNED_CONTEXT, SamplingConfig, TreeConfig
+from core.config import PLANNED_CONTEXT
 from core.tune.budget import (GIB, MemoryBudgetError, ModelShape, Placement, largest_tree, plan_placement,
                               target_kv_per_token, tree_bytes)
 from core.runtime.cpu_linear import accelerate_cpu
+from core.service.drafters import (layer_skip_drafter, lookahead_drafter, lookup_rival, make_drafter, medusa_drafter,
+                                   medusa_rival)
+from core.service.spec import EngineSpec, resolved_strategy
 from core.service.warmup import Pending
 from core.runtime.graphs import GraphJob, build, compiled_all
-from core.spec.drafters import LookupConfig, PlainDrafter, PromptLookupDrafter
-from core.spec.eagle import EagleDrafter
-from core.spec.layer_skip import LayerSkipDrafter
-from core.spec.medusa import MedusaDrafter
-from core.spec.lookahead import LookaheadConfig, LookaheadDrafter
+from core.spec.drafters import PlainDrafter, PromptLookupDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
 from core.tune.kernels import (WIDE_ROWS, KernelChoice, TargetKernel, TreeKernels, apply_target_kernel, apply_wide,
                                cached_choice, choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
-                               head_weights_here, kernel_edges, load_kernel, machine_key, rows_alone, time_draft_steps, twin_fits)
+                               head_weights_here, kernel_edges, machine_key, rows_alone, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
-from core.files import stored
-from core.text import render_prompt
-from core.tune.skip import SkipChoice, choose_exit, choose_skip, is_layerskip_checkpoint
-from core.tune.latency import (LARGE_SIZES, SIZES, LatencyProfile, cached_profile, head_identity, level_costs, measure_profile,
-                               profile_key, profile_mismatch, time_rerank)
+from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile,
+                               profile_key, profile_mismatch)
 from core.tune.remembered import acceptance_path, keep, keep_speeds, recall, recall_speeds, speeds_path
-from core.tune.shapes import Pins, PositionalAcceptance, TreeRival, prior_table
+from core.tune.shapes import Pins, PositionalAcceptance, prior_table
 from core.tune.tuner import Tuner
 from models import attention, q4_rows
 from models.amx import source_digest as amx_source_digest
-from models.head_checkpoint import head_training_record, load_draft_vocab, load_head
-from models.head_config import head_config_for_target
+from models.head_checkpoint import head_training_record
 from models.native import NativeUnavailable
-from models.heads import build_head
-from models.medusa import load_medusa
 from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
-STRATEGIES = ("auto", *DRAFTERS)
 GRAPHS_VERSION = 4   # 4: inductor kernels single-threaded (core/runtime/graphs.py ONE_THREAD)
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    model: str | None = None          # Hub id, folder, or None for the embedded default
-    quant: str | None = None
-    device: str | None = None
-    cache_dir: Path = LoadSpec.cache_dir
-    head: str | None = None           # Hub id, folder, "random" (a random EAGLE-1 head), or None
-    allow_pickle: bool = False        # allow a head's pytorch_model.bin (pickle) when no safetensors
-    medusa: str | None = None         # Medusa heads: Hub id or folder (FasterDecoding's layout or Aerie's), or None
-    strategy: str = "auto"            # auto = eagle with a head, prompt lookup without
-    tree: TreeConfig | None = None    # the EAGLE tree before the tuner's first plan; None = the device's default
-    pins: Pins = Pins()               # what the user fixed; the tuner chooses the rest
-    vram_reserve_gb: float = 0.5      # GPU memory left to other programs
-    compile: bool = True              # compile the target's forward per tree bucket; False = eager (--no-compile)
-    # A CPU int4/int8 target's attention: one of models/quants.py ATTENTIONS (auto: `rows_alone`, core/tune/kernels.py).
-    attention: str = "auto"
-    kernel_mix: bool = False          # trees may run on another 4-bit kernel than one token (--kernel-mix)
-    verify_delay_ms: float = 0.0      # a simulated slow target (bench --verify-delay-ms): SpecExec's regime on a CPU
-
-
-# The tree of an engine built without a tuner (the bench's fixed strategies, tests), and the first drafter's before
-# the tuner's first plan. Measured on the 2-core CPU (oneDNN linears): one level of 4 siblings won a
-# grid of 6 shapes; on a GPU a verify costs nearly the same for 1 or 60 tokens: EAGLE-2's own trees.
-DEFAULT_TREES = {"cpu": TreeConfig(depth=0, top_k=4, total_tokens=5), "cuda": TreeConfig(depth=5, top_k=8, total_tokens=48)}
-# Medusa's tree per device: its heads' guesses, best-first (core/spec/medusa.py). On a 2-core CPU a verified token
-# costs ~1 ms more per row from 2 rows on, so a chain of two; on a GPU Medusa's own 63-node sparse tree's size.
-MEDUSA_TREES = {"cpu": TreeConfig(depth=1, top_k=1, total_tokens=3), "cuda": TreeConfig(depth=3, top_k=8, total_tokens=64)}
-
-
-def default_tree(device: torch.device) -> TreeConfig:
-    return DEFAULT_TREES.get(device.type, DEFAULT_TREES["cpu"])
-
-
-# Lookahead's window per device. On a GPU the paper's 7B setting (W 7, N 5, G 7: 56 rows a verify, which
-# cost about one token's there); on the 2-core CPU, where 8 rows cost 1.6 one-token verifies, the smallest window.
-LOOKAHEADS = {"cpu": LookaheadConfig(window=2, ngram=3, guesses=1), "cuda": LookaheadConfig(window=7, ngram=5, guesses=7)}
 
 
 @dataclass(frozen=True)
@@ -161,7 +115,7 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: 
     rows = asked or (spec.attention == "auto" and kernels is not None and rows_alone(kernels)
                      and row_attention(target, spec.cache_dir, report))
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter(),
-                "lookahead": LookaheadDrafter(LOOKAHEADS.get(target.device.type, LOOKAHEADS["cpu"]))}
+                "lookahead": lookahead_drafter(target.device)}
     head_weights = kernels.head if kernels else "int8"
     if strategy == "eagle":
         drafters["eagle"] = make_drafter(target, replace(spec, strategy="eagle"), head_weights)
@@ -251,27 +205,6 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
                   best_first=slow and "eagle" in drafters, tree_rivals=rivals, heard=recall_speeds(speeds),
                   keep_heard=functools.partial(keep_speeds, speeds))
     return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, kernels)
-
-
-# Prompt lookup for the tuner: chains of up to LookupConfig's 8 tokens, shaped by its own acceptance per depth,
-# learned from its rounds; the prior: a match's first token right half the time, a copy that started going on
-# more often. Its draft (index lookups in Python) costs ~0.05 ms. On the 2-core AMX Xeon its fixed 8-token, 2-branch
-# trees cost 27-30 ms a verify against 4.8 for one token, and measured 0.6x plain.
-LOOKUP_ALPHAS = (0.5, 0.6, 0.7, 0.75)
-
-
-def lookup_rival() -> TreeRival:
-    return TreeRival(PositionalAcceptance(prior_table(LOOKUP_ALPHAS)), LookupConfig().num_tokens - 1, 0.05, 0.0,
-                     chain=True)
-
-
-def medusa_rival(drafter: MedusaDrafter, engine: Engine, source: str) -> TreeRival:
-    """Medusa for the tuner: acceptance from its heads' held-out chain (train.json), a draft's cost
-    timed now on this machine (a few ms: one and all of its levels)."""
-    alphas = head_training_record(source).get("val", {}).get("alphas")
-    levels = drafter.heads.config.num_heads
-    fixed, level = level_costs(drafter, engine, levels)   # chains: a tree adds its rerank
-    return TreeRival(PositionalAcceptance(prior_table(alphas)), levels - 1, fixed, level, time_rerank())
 
 
 def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None) -> Path:
@@ -370,12 +303,6 @@ def tree_budget(target: Target, pins: Pins, sizes: tuple[int, ...], reserve: int
     return max(largest, 2)
 
 
-def resolved_strategy(spec: EngineSpec) -> str:
-    if spec.strategy not in STRATEGIES:
-        raise UnsupportedModelError(f"Unknown strategy '{spec.strategy}': choose one of {', '.join(STRATEGIES)}.")
-    return spec.strategy if spec.strategy != "auto" else ("eagle" if spec.head else "prompt_lookup")
-
-
 def load_fast_target(spec: EngineSpec, probe: Probe | None = None) -> tuple[Target, bool, Placement | None]:
     """The target, placed within the GPU's free memory (part offloaded to RAM if it must be), with
     oneDNN linears on CPU where they are faster; -> (target, whether they are, placement)."""
@@ -399,87 +326,3 @@ def gpu_free(device: torch.device, probe: Probe | None) -> int:
     return gpus[index].free if index in gpus else torch.cuda.mem_get_info(index)[0]
 
 
-# Questions the target answers greedily to measure which layers a self-speculative draft may skip (core/tune/skip.py):
-# everyday chat, apart from the benchmark's prompts.
-CALIBRATION = ("Explain how a refrigerator keeps food cold.",
-               "Write a short note inviting a neighbour to dinner on Friday.",
-               "What should I pack for a weekend of hiking in the mountains?")
-CALIBRATION_TOKENS = 64
-SKIP_VERSION = 2
-
-
-def layer_skip_drafter(engine: Engine, profile: LatencyProfile, cache_dir: Path) -> LayerSkipDrafter:
-    """The self-speculative drafter on `engine`'s runner, skipping the layers measured fastest for
-    this model on this machine, or on a LayerSkip checkpoint exiting at the layer measured fastest
-    (core/tune/skip.py; measured once, then cached)."""
-    target = engine.target
-    name = str(target.model.config.name_or_path)
-    early_exit = is_layerskip_checkpoint(name)
-    key = {"skip_version": SKIP_VERSION, **machine_key(), "model": name, "early_exit": early_exit,
-           "quant": target.quant, "dtype": str(target.dtype), "buckets": list(engine.runner.buckets)}
-
-    def measure() -> SkipChoice:
-        calibration = []
-        for question in CALIBRATION:
-            ids = render_prompt(target.tokenizer, [{"role": "user", "content": question}])
-            plain = Engine(target, PlainDrafter(), engine.runner)
-            answer = [t for step in plain.generate(ids, SamplingConfig(max_new_tokens=CALIBRATION_TOKENS)) for t in step.new_ids]
-            calibration.append((ids + answer, len(ids) - 1))
-        engine.reset()
-        return (choose_exit if early_exit else choose_skip)(engine.runner, profile, calibration)
-
-    choice, _ = stored(cache_dir / "skip", key, measure, SkipChoice.to_json, SkipChoice.from_json)
-    return LayerSkipDrafter(engine.runner, choice.config, choice.describe())
-
-
-def make_drafter(target: Target, spec: EngineSpec, head_weights: str = "int8"):
-    strategy = resolved_strategy(spec)
-    if strategy == "plain":
-        return PlainDrafter()
-    if strategy == "prompt_lookup":
-        return PromptLookupDrafter()
-    if strategy == "lookahead":
-        return LookaheadDrafter(LOOKAHEADS.get(target.device.type, LOOKAHEADS["cpu"]))
-    if strategy == "layer_skip":
-        raise UnsupportedModelError("A layer-skip drafter is measured on a loaded engine: core/service/factory.py layer_skip_drafter.")
-    if not spec.head:
-        raise UnsupportedModelError("The eagle strategy needs a head: pass --head (a Hub id, a folder, or 'random').")
-    head = load_eagle_head(target, spec.head, spec.allow_pickle, spec.cache_dir)
-    draft_vocab = None if spec.head == "random" else load_draft_vocab(spec.head, target.model.config.get_text_config().vocab_size)
-    tree = spec.tree or default_tree(target.device)
-    drafter = EagleDrafter(head, target.model.config.get_text_config().num_hidden_layers, tree, draft_vocab)
-    return shrunk(drafter, target, head_weights, spec.cache_dir)
-
-
-def medusa_drafter(target: Target, spec: EngineSpec, features: tuple[int, ...], head_weights: str) -> MedusaDrafter:
-    """The Medusa heads `spec` names, drafting the device's MEDUSA_TREES shape (no deeper than the heads
-    reach) until the tuner shapes its trees, on the EAGLE head's CPU weights."""
-    heads, vocab = load_medusa(spec.medusa, target.model.config, allow_pickle=spec.allow_pickle, dtype=target.dtype,
-                               device=target.device, cache_dir=spec.cache_dir)
-    tree = MEDUSA_TREES.get(target.device.type, MEDUSA_TREES["cpu"])
-    tree = replace(tree, depth=min(tree.depth, heads.config.num_heads - 1))
-    drafter = MedusaDrafter(heads, features, target.model.config.get_text_config().num_hidden_layers, tree, vocab,
-                            target.model.get_output_embeddings())
-    return shrunk(drafter, target, head_weights, spec.cache_dir)
-
-
-def shrunk(drafter, target: Target, head_weights: str, cache_dir: Path):
-    """A CPU target on small weights drafts on small weights too (core/tune/kernels.py HEAD_WEIGHTS);
-    drafts only: the target checks every token."""
-    if target.quant in CPU_QUANTS:
-        if head_weights == "q4_rows":
-            load_kernel("rows", cache_dir)
-        drafter.shrink(head_weights)
-    return drafter
-
-
-def load_eagle_head(target: Target, source: str, allow_pickle: bool, cache_dir: Path | None = None):
-    model = target.model
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    if source == "random":  # untrained: accepts little, but exercises the whole EAGLE path
-        with torch.random.fork_rng(devices=[]):  # seeded, without touching the caller's RNG
-            torch.manual_seed(0)
-            head = build_head(head_config_for_target(model.config, "eagle1"), embed, lm_head)
-        return head.to(device=target.device, dtype=target.dtype).eval()
-    return load_head(source, model.config, embed, lm_head, allow_pickle=allow_pickle, dtype=target.dtype,
-                     device=target.device, cache_dir=cache_dir)
