@@ -360,7 +360,7 @@ def test_medusa_is_planned_where_its_prediction_beats_the_ladders_until_it_measu
     plan = t.plan(100)
     assert plan.rung == "medusa" and plan.predicted > 1.05 and "Medusa heads" in plan.reason
     t.prepare(SimpleNamespace(set_drafter=lambda d: None), 100)
-    assert t.drafters["medusa"].tree is not None
+    assert plan.tree is not None and t.drafters["medusa"].tree == plan.tree   # drafted as predicted
     slow_turn(t, 0.9, "medusa")                               # its answers say otherwise
     assert t.plan(100).rung == "tree"
     assert medusa_tuner((0.2,), eagle_alphas=(0.7, 0.6)).plan(100).rung == "tree"   # EAGLE predicted faster

@@ -50,7 +50,7 @@ LABELS = {"tree": "EAGLE tree", "chain": "EAGLE chain", "prompt_lookup": "prompt
 @dataclass(frozen=True)
 class Plan:
     rung: str                         # tree, chain, prompt_lookup or plain
-    tree: TreeConfig | None           # for the EAGLE rungs
+    tree: TreeConfig | None           # the shape drafted: an EAGLE rung's, a tree rival's predicted one
     predicted: float | None           # predicted speedup over plain decoding; None if not modelled
     reason: str                       # one line for the page
 
@@ -108,9 +108,10 @@ class Tuner:
         self.trial = index if index < self.rung else None
         self.planned, self.planned_context = plan, context
         engine.set_drafter(self.drafters[plan.strategy])
-        if plan.tree is not None and plan.strategy == "eagle":
-            self.drafters["eagle"].reshape(plan.tree)
-        self.ready(plan.strategy, context)
+        if plan.tree is not None:   # an EAGLE rung's shape, or the one a tree rival was predicted with
+            self.drafters[plan.strategy].reshape(plan.tree)
+        else:
+            self.ready(plan.strategy, context)
         return plan
 
     def ready(self, strategy: str, context: float) -> None:
@@ -144,7 +145,7 @@ class Tuner:
             shape = self.rival_shape(name, context)
             predicted = shape.tokens / shape.round_ms * plain_ms
             if predicted >= max(beaten, DEMOTE_BELOW) and (best is None or predicted > best.predicted):
-                best = Plan(name, None, predicted, f"{LABELS[name]} {shape_text(shape.tree)}: {shape.tokens:.2f} tokens "
+                best = Plan(name, shape.tree, predicted, f"{LABELS[name]} {shape_text(shape.tree)}: {shape.tokens:.2f} tokens "
                                                    f"per {shape.round_ms:.0f} ms round, predicted {predicted:.2f}x plain")
         return best
 
