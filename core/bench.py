@@ -63,7 +63,7 @@ class Tally:
 
     @classmethod
     def of(cls, log: TurnLog, seconds: float) -> "Tally":
-        s, tree = log.stats, log.plan.tree if log.plan else None
+        s, tree = log.stats, log.plan.tree if log.plan and log.plan.strategy == "eagle" else None  # EAGLE's shapes
         return cls(s.new_tokens, seconds, s.target_steps, s.accepted, s.drafted, log.draft_s, log.verify_s, log.commit_s,
                    trees=Counter([shape_name(tree)]) if tree else Counter(), shown=[s.speedup] if s.speedup else [])
 

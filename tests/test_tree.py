@@ -10,6 +10,7 @@ from core.runtime.kv import additive_mask
 from core.spec.tree import (
     MC_SIM_7B_63,
     DraftTree,
+    Pool,
     chain_tree,
     children,
     expand_frontier,
@@ -119,18 +120,12 @@ def test_random_trees_mask_matches_parent_walk():
 
 
 def _draft(child_logp_of, top_k: int, depth: int, root_token: int, total_tokens: int):
-    """The EAGLE-2 loop as a drafter runs it; child_logp_of(pool index, -1 = root) stands in for the head."""
-    frontier_pool, frontier_scores = torch.tensor([-1]), torch.zeros(1)
-    pool_scores, pool_parents, pool_tokens = [], [], []
-    for _ in range(depth + 1):
-        step = expand_frontier(frontier_scores, torch.stack([child_logp_of(int(i)) for i in frontier_pool]), top_k)
-        base = sum(len(s) for s in pool_scores)
-        pool_scores.append(step.scores)
-        pool_tokens.append(step.tokens)
-        pool_parents.append(frontier_pool[step.parent_slot])
-        frontier_pool, frontier_scores = base + step.frontier, step.scores[step.frontier]
-    pool = torch.cat(pool_scores), torch.cat(pool_parents), torch.cat(pool_tokens)
-    return pool, rerank(*pool, root_token, total_tokens)
+    """The EAGLE-2 loop as a drafter runs it (core/spec/tree.py Pool); child_logp_of(pool index, -1 = root)
+    stands in for the head."""
+    pool = Pool(child_logp_of(-1), top_k, lambda tokens: tokens)
+    for _ in range(depth):
+        pool.expand(torch.stack([child_logp_of(int(i)) for i in pool.frontier]))
+    return (torch.cat(pool.scores), torch.cat(pool.parents), torch.cat(pool.tokens)), pool.rerank(root_token, total_tokens)
 
 
 # Hand-computed: V = 4, top_k = 2, depth = 2 (three levels). Pool index -> draft distribution.

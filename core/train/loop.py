@@ -36,7 +36,7 @@ from models.target import Target
 
 CHECKPOINT = "checkpoint.pt"
 TRAIN_KINDS = (*KINDS, "medusa")   # EAGLE heads (this module) and Medusa heads (core/train/medusa.py)
-RUN_CONTROL = ("save_every", "eval_every", "log_every", "stop_at_step", "time_limit_s", "threads")  # may change on resume
+RUN_CONTROL = ("save_every", "eval_every", "log_every", "stop_at_step", "time_limit_s", "threads", "amp")  # may change on resume
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,8 @@ def eagle_trainee(head: EagleHead, cfg: TrainConfig, run: Run) -> Trainee:
 def new_run(target: Target, cfg: TrainConfig, noise_amp: float, vocab: DraftVocab) -> Run:
     """Autocast where the target computes in 16 bits; the training steps also in bf16 where asked (--amp bf16),
     while validation keeps the precision the head is served in, so its numbers compare across runs."""
+    if cfg.amp == "bf16" and target.device.type != "cpu":
+        raise ValueError("--amp bf16 is for a CPU target; on a GPU the head trains in the target's own dtype.")
     amp = None if target.dtype == torch.float32 else target.dtype
     return Run(target.device, amp, noise_amp, vocab, torch.bfloat16 if cfg.amp == "bf16" else None)
 

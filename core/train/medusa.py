@@ -118,7 +118,7 @@ def train_medusa(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, 
     trainee.save(out)
     summary = {"out": str(out), "kind": "medusa", "heads": cfg.medusa_heads, "layers": cfg.medusa_layers,
                "own_projection": cfg.medusa_own_projection,
-               "objective": cfg.objective, "draft_vocab_from": eagle_head, "capture_linear": data.linear,
+               "objective": cfg.objective, "amp": cfg.amp, "draft_vocab_from": eagle_head, "capture_linear": data.linear,
                "finished": finished, "dropped_benchmark_prompts": dropped, "train_conversations": len(train_convs),
                **run_numbers(trainset, valset, cap_train, cap_val, progress), "wall_s": round(time.time() - t_start, 1)}
     (out / "train.json").write_text(json.dumps(summary, indent=2) + "\n")

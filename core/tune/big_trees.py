@@ -25,7 +25,7 @@ from core.config import TreeConfig
 from core.tune.latency import LatencyProfile
 
 BATCHES = (1, 2, 4, 8, 16)   # nodes fed per head step searched (SpecExec feeds up to 128 on a GPU)
-WIDTH = 10                   # children per node the value model knows ranks for (tuner.RANKS)
+WIDTH = 10                   # children per node the value model knows ranks for (shapes.RANKS)
 
 
 @dataclass(frozen=True)

@@ -137,14 +137,15 @@ CHECK_BUDGET_MS = 2000
 @torch.inference_mode()
 def profile_mismatch(engine, profile: LatencyProfile) -> str | None:
     """Why `profile` no longer describes this engine, or None. It times the rounds of CHECK_SIZES
-    (about 0.3 s for the embedded model on a 2-core CPU) and compares each one's cost relative to a 1-token round with the
+    (about 0.4 s for the embedded model on a 2-core CPU) and compares each one's cost relative to a 1-token round with the
     profile's: a machine uniformly busier or quieter than when profiled is fine (the meter rescales
     by the measured load), a different shape (trees dearer or cheaper relative to plain decoding)
     is not."""
     sizes = tuple(n for n in CHECK_SIZES if n in profile.sizes)
-    # About 4 * (REPEATS + 1) rounds: skipped where that would hold a start up for seconds (a big
-    # or offloaded model), whose profile is then trusted as before.
-    if len(sizes) < 2 or 4 * (REPEATS + 1) * profile.round(sizes[-1], SHORT_CONTEXT) > CHECK_BUDGET_MS:
+    # rounds' warm-ups and timed passes, each size's block twice: skipped where that would hold a
+    # start up for seconds (a big or offloaded model), whose profile is then trusted as before.
+    count = WARM_FIRST - WARM + 2 * len(sizes) * (WARM + REPEATS)
+    if len(sizes) < 2 or count * profile.round(sizes[-1], SHORT_CONTEXT) > CHECK_BUDGET_MS:
         return None
     ids = arbitrary_ids(engine, SHORT_CONTEXT + max(sizes))
     measured = monotone(rounds(engine, ids, SHORT_CONTEXT, sizes))
@@ -220,6 +221,7 @@ def rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) -> list
     ratios."""
     engine.reset()
     drafted = engine.prefill(ids[:context])
+    # Without an EAGLE head (prompt lookup drafts in microseconds) trees follow each other back to back.
     head_step = (engine.drafter.frontier_step(drafted.features[:-1], ids[1:context], 1)
                  if isinstance(engine.drafter, EagleDrafter) else lambda: None)
     greedy, rng = SamplingConfig(), torch.Generator(device=engine.device)
