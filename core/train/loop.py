@@ -117,11 +117,7 @@ class Run:
     amp: torch.dtype | None          # autocast dtype where the target computes in 16 bits (validation: as served)
     noise_amp: float                 # a of U(-a, a)
     vocab: DraftVocab                # the columns the head is scored on
-    train_amp: torch.dtype | None = None  # the training steps' autocast dtype (--amp bf16 on a CPU), else amp
-
-    @property
-    def step_amp(self) -> torch.dtype | None:
-        return self.train_amp or self.amp
+    train_amp: torch.dtype | None    # the training steps' autocast dtype: bf16 with --amp bf16 (a CPU), else amp
 
 
 @dataclass
@@ -157,11 +153,11 @@ def new_run(target: Target, cfg: TrainConfig, noise_amp: float, vocab: DraftVoca
     if cfg.amp == "bf16" and target.device.type != "cpu":
         raise ValueError("--amp bf16 is for a CPU target; on a GPU the head trains in the target's own dtype.")
     amp = None if target.dtype == torch.float32 else target.dtype
-    return Run(target.device, amp, noise_amp, vocab, torch.bfloat16 if cfg.amp == "bf16" else None)
+    return Run(target.device, amp, noise_amp, vocab, torch.bfloat16 if cfg.amp == "bf16" else amp)
 
 
 def autocast(run: Run, training: bool = False):
-    dtype = run.step_amp if training else run.amp
+    dtype = run.train_amp if training else run.amp
     return torch.autocast(run.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
