@@ -222,11 +222,6 @@ def session_key(request: Any) -> str:
     return getattr(request, "session_hash", None) or "local"
 
 
-def take_message(message: str) -> tuple:
-    """First step of Send (unqueued): park the message, empty and lock the textbox, show Stop."""
-    return (message or "", *controls("answering", clear_textbox=True))
-
-
 def _answer(service: ChatServiceApi, cancels: Cancels, key: str, chat: Chat, system_prompt: str,
             settings: tuple) -> Iterator[tuple[Chat, str]]:
     """Stream an answer to the last user turn of `chat`, yielding (chat, stats line); `settings`

@@ -4,14 +4,13 @@ the page delivers (its streaming updates, their rendering, the browser sharing t
 measured on every such run.
 
 Each prompt starts a new chat, is typed and sent with Enter, and its time runs from the key press
-until Send comes back (the answer's end is drawn). Its tokens are the stats line's count under the
+until Send comes back (the answer's end is drawn), on the page's own clock. Its tokens are the stats line's count under the
 chat, its text the answer's bubble. The page decodes with the drafter its dropdown holds: the
 tuner's choice (auto), so it stands against the bench's `eagle`. Chromium runs headless, as the
 bench has no screen; it still lays out and paints every update.
 """
 
 import re
-import time
 from pathlib import Path
 
 from core.errors import AerieError
@@ -25,6 +24,20 @@ ANSWERS = "#aerie-chat .message:not(.thought) > [data-testid='bot']"   # answers
 # True once Send is shown and enabled: the page is idle, the last answer drawn.
 IDLE = """() => [...document.querySelectorAll('#aerie-input button')]
   .some(b => b.textContent.trim() === 'Send' && !b.disabled && b.offsetParent !== null)"""
+# Resolves window.__aerieAnswered with the seconds from the next key press in the page until it
+# has left idle and come back: the page's own clock, checked on each change of the page rather
+# than polled (Playwright's waits poll every animation frame, which keeps headless Chromium
+# drawing beside the engine, and add their round trips to the time).
+ANSWERED = """(limit) => { window.__aerieAnswered = new Promise((resolve, reject) => {
+  const idle = %s; let left = false, pressed = null;
+  document.addEventListener('keydown', () => { pressed = pressed ?? performance.now(); }, {capture: true, once: true});
+  const watch = new MutationObserver(() => {
+    if (!idle()) left = true;
+    else if (left) { watch.disconnect(); clearTimeout(late); resolve((performance.now() - pressed) / 1000); }
+  });
+  const late = setTimeout(() => { watch.disconnect(); reject(new Error('no answer within the limit')); }, limit);
+  watch.observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
+}); }""" % IDLE
 
 
 class PageClient:
@@ -59,11 +72,10 @@ class PageClient:
         tab.locator("#aerie-chat [data-testid='user']").first.wait_for(state="detached", timeout=WAIT_MS)
         box = tab.locator("#aerie-input textarea")
         box.fill(text)
-        t0 = time.perf_counter()
-        box.press("Enter")
-        tab.wait_for_function(f"() => !({IDLE})()", timeout=WAIT_MS)   # the answer started
-        tab.wait_for_function(IDLE, timeout=WAIT_MS)
-        seconds = time.perf_counter() - t0
+        box.focus()
+        tab.evaluate(ANSWERED, WAIT_MS)
+        tab.keyboard.press("Enter")
+        seconds = tab.evaluate("() => window.__aerieAnswered")
         stats = tab.locator("#aerie-stats").inner_text()
         found = STATS.search(stats)
         if not found:

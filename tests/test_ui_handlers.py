@@ -251,11 +251,21 @@ def test_the_header_names_the_drafter_for_people(drafter, shown):
     assert model_panel.switched_line(report).startswith(f"Loaded SmolLM2 · cpu · nf4 · {shown}.")
 
 
-def test_take_message_and_controls():
-    pending, textbox, send, stop, *_ = handlers.take_message("hello")
-    assert pending == "hello" and textbox["value"] == "" and textbox["interactive"] is False
+def test_send_locks_the_controls_in_the_page():
+    """Send runs in the browser: the message passes on to `pending`, then the answering controls."""
+    import json
+    from app.ui import in_page
+
+    updates = handlers.controls("answering", clear_textbox=True)
+    textbox, send, stop, *_ = updates
+    assert textbox["value"] == "" and textbox["interactive"] is False
     assert send["visible"] is False and stop["visible"] is True
     assert all(u.get("interactive", True) for u in handlers.controls("idle"))
+    event = in_page(updates, passed=1)
+    assert event["fn"] is None and event["queue"] is False
+    head, body = event["js"].split(" => ")
+    assert head == "(x0)" and body.startswith("[x0, ...") and json.loads(body[len("[x0, ..."):-1]) == list(updates)
+    assert in_page(updates)["js"].startswith("() => [...[")
 
 
 def test_build_ui_constructs_and_wires_the_request(tmp_path):

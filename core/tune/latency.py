@@ -11,6 +11,7 @@ Plain decoding's time per token at context c is the round of size 1 at c: the sp
 divides by it. A profile is cached as JSON per (model, quantization, device, kernels, head).
 """
 
+import bisect
 import hashlib
 import platform
 import statistics
@@ -96,7 +97,7 @@ def interpolate(xs, ys, x: float) -> float:
     """Piecewise-linear through (xs, ys), extended along the end segments."""
     if len(xs) == 1:
         return float(ys[0])
-    i = max(1, min(len(xs) - 1, next((j for j, v in enumerate(xs) if v >= x), len(xs) - 1)))
+    i = max(1, min(len(xs) - 1, bisect.bisect_left(xs, x)))  # the first xs[i] >= x, kept inside the ends
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 

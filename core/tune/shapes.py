@@ -13,6 +13,7 @@ A shape's expected speed is E[tokens per round] / E[round time] (DESIGN.md secti
 Plain decoding costs profile.plain_ms(context) per token, so predicted speedup = speed x plain_ms.
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -109,6 +110,7 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
     deepest = rival.max_depth if rival is not None else MAX_DEPTH
     depths = [pins.depth] if pins.depth is not None else range(deepest + 1)
     widths = [1] if chain else ([pins.top_k] if pins.top_k else TOP_KS)
+    verify_ms = functools.cache(lambda n: profile.round(n, context))  # a size's verify is the same for every shape
     best = None
     for depth in depths:
         for k in widths:
@@ -116,7 +118,7 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
             sizes = [pins.total_tokens] if pins.total_tokens else range(2, min(len(gained), max_size) + 1)
             for n in sizes:
                 tokens = 1 + gained[min(n - 1, len(gained) - 1)]
-                ms = profile.round(n, context) + draft_scale * draft(depth, k, tokens)
+                ms = verify_ms(n) + draft_scale * draft(depth, k, tokens)
                 if best is None or tokens / ms > best.tokens / best.round_ms:
                     best = Shape(TreeConfig(depth=depth, top_k=k, total_tokens=n), tokens, ms)
     return best
