@@ -204,11 +204,14 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
                    **private)
     c.export_json.click(bind(chats.export, store, exports, "json"), inputs=c.list, outputs=c.exported, **private)
     c.export_md.click(bind(chats.export, store, exports, "markdown"), inputs=c.list, outputs=c.exported, **private)
-    gr.on([p.textbox.submit, p.send.click, p.regen.click, p.ab.click, p.race.click], outputs=c.lock,
-          **in_page(chats.controls("answering")))
+    # The monitor's timer pauses while an answer streams: each refresh redraws its panel beside the
+    # engine (on the 2-core Xeon ~0.1 s of the browser's CPU a tick, a tenth of a 128-token answer's).
+    locked, idle = chats.controls("answering") + (gr.update(active=False),), chats.controls("idle") + (gr.update(active=True),)
+    gr.on([p.textbox.submit, p.send.click, p.regen.click, p.ab.click, p.race.click], outputs=[*c.lock, p.monitor],
+          **in_page(locked))
     for answer in answers:
-        answer.then(outputs=c.lock, **in_page(chats.controls("idle")))
-    p.chatbot.clear(outputs=c.lock, **in_page(chats.controls("idle")))  # Clear cancels the answer
+        answer.then(outputs=[*c.lock, p.monitor], **in_page(idle))
+    p.chatbot.clear(outputs=[*c.lock, p.monitor], **in_page(idle))  # Clear cancels the answer
     # Queued behind a running answer: the chat is redrawn from the store once it is saved.
     p.highlight.change(bind(chats.redraw, store), inputs=[c.list, p.highlight], outputs=p.chatbot,
                        concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", **private)
@@ -281,7 +284,7 @@ def _monitor_panel() -> SimpleNamespace:
         tuning = gr.Markdown("", elem_id="aerie-tuning", elem_classes="aerie-muted")
         memory = gr.HTML("", elem_id="aerie-memory")
         plot = gr.HTML("", elem_id="aerie-plot")
-    return SimpleNamespace(tuning=tuning, memory=memory, plot=plot)
+    return SimpleNamespace(tuning=tuning, memory=memory, plot=plot, timer=gr.Timer(MONITOR_S))
 
 
 def _wire_monitor(demo: gr.Blocks, service: ChatServiceApi, store: ChatStore, m: SimpleNamespace, chat_list) -> None:
@@ -289,7 +292,7 @@ def _wire_monitor(demo: gr.Blocks, service: ChatServiceApi, store: ChatStore, m:
     behind an answer. The plot follows the chat selected in `chat_list`."""
     outputs, refresh = [m.memory, m.plot, m.tuning], bind(monitor.refresh, service, store)
     demo.load(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private")
-    gr.Timer(MONITOR_S).tick(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private",
+    m.timer.tick(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private",
                              show_progress="hidden")
 
 
@@ -310,8 +313,7 @@ def build_ui(service: ChatServiceApi, defaults: UiDefaults | Mapping[str, Any] |
         with gr.Column(elem_id="aerie-main"):
             header = gr.Markdown(lambda: handlers.header(service.label), elem_id="aerie-header")
             page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings,
-                                   loads=handlers.Cancels(),
-                                   chats=saved)
+                                   loads=handlers.Cancels(), chats=saved, monitor=gauges.timer)
         _wire_chats(demo, store, exports, page, _wire(service, store, cancels, page))
         _wire_monitor(demo, service, store, gauges, saved.list)
         _wire_saved_settings(demo, settings)

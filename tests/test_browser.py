@@ -8,10 +8,13 @@ Skipped without /usr/bin/chromium (`apt-get install chromium`; .ci/run installs 
 import os
 import re
 import shutil
+import time
 
 import pytest
 
+from app.answers import STRATEGY_LABELS
 from app.store import ChatStore, default_store_path
+from app.ui import MONITOR_S
 from tests.browser import (ANSWERED, CHROMIUM, SCREENSHOT, SEE_MS, STATS, VIEWPORT, act, answers, ask, button, expect,
                            new_chat, open_page, questions, seen, set_max_tokens, shown_chat, stats, sync_api)
 from tests.conftest import start_aerie
@@ -105,6 +108,26 @@ def test_stop_ends_a_long_answer_and_brings_send_back(page):
     assert all(s["last"] == kept for s in seen(page, after))
 
 
+def test_the_monitor_pauses_while_an_answer_streams(page):
+    """Its refreshes (unqueued calls, every MONITOR_S) stop while the engine decodes and resume after."""
+    new_chat(page)
+    calls: list[float] = []
+    page.on("request", lambda r: calls.append(time.monotonic()) if r.method == "POST" and "/run/" in r.url else None)
+    page.locator("#aerie-input textarea").fill("Write a long story about a dragon.")
+    page.locator("#aerie-input textarea").press("Enter")
+    stop = button(page, "Stop")
+    expect(stop).to_be_visible()
+    started = time.monotonic()
+    page.wait_for_timeout(2500 * MONITOR_S)                   # two and a half refresh periods
+    expect(stop).to_be_visible()                               # still answering
+    assert not [t for t in calls if t > started], "the monitor refreshed during the answer"
+    stop.click()
+    expect(button(page, "Send")).to_be_enabled()
+    ended = time.monotonic()
+    page.wait_for_timeout(1500 * MONITOR_S)
+    assert [t for t in calls if t > ended], "the monitor did not resume after the answer"
+
+
 def test_regenerate_replaces_the_last_answer(page):
     new_chat(page)
     set_max_tokens(page, 24)
@@ -182,7 +205,9 @@ def test_the_monitor_shows_memory_and_the_tuner(page):
     expect(memory).to_contain_text("Weights")
     expect(page.locator("#aerie-tuning")).to_contain_text(re.compile(r"Tuner: \S+"))
     # The header names the drafter in words, not as core's identifiers (eagle, prompt_lookup).
-    expect(page.locator("#aerie-header")).to_contain_text(re.compile(r"· (EAGLE head|prompt lookup|plain decoding)"))
+    # Whichever the tuner holds now (it tries Medusa, lookahead... after a stopped answer).
+    words = "|".join(map(re.escape, STRATEGY_LABELS.values()))
+    expect(page.locator("#aerie-header")).to_contain_text(re.compile(rf"· ({words})\s*$"))
 
 
 def test_the_bench_page_client_times_answers_the_page_shows(server, browser):
