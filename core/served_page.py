@@ -36,7 +36,9 @@ ANSWERED = """(limit) => { window.__aerieAnswered = new Promise((resolve, reject
     else if (left) { watch.disconnect(); clearTimeout(late); resolve((performance.now() - pressed) / 1000); }
   });
   const late = setTimeout(() => { watch.disconnect(); reject(new Error('no answer within the limit')); }, limit);
-  watch.observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
+  // The input row alone: Send's state changes there, and checking it on the chat's every change
+  // would force a layout of the page each time (offsetParent) while the engine decodes.
+  watch.observe(document.querySelector('#aerie-input'), {subtree: true, childList: true, attributes: true});
 }); }""" % IDLE
 
 
