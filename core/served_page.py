@@ -25,8 +25,8 @@ ANSWERS = "#aerie-chat .message:not(.thought) > [data-testid='bot']"   # answers
 IDLE = """() => [...document.querySelectorAll('#aerie-input button')]
   .some(b => b.textContent.trim() === 'Send' && !b.disabled && b.offsetParent !== null)"""
 # Resolves window.__aerieAnswered with the seconds from the next key press in the page until it
-# has left idle and come back: the page's own clock, checked on each change of the page rather
-# than polled (Playwright's waits poll every animation frame, which keeps headless Chromium
+# has left idle and come back: the page's own clock, checked on each change of the input row
+# rather than polled (Playwright's waits poll every animation frame, which keeps headless Chromium
 # drawing beside the engine, and add their round trips to the time).
 ANSWERED = """(limit) => { window.__aerieAnswered = new Promise((resolve, reject) => {
   const idle = %s; let left = false, pressed = null;
@@ -36,8 +36,8 @@ ANSWERED = """(limit) => { window.__aerieAnswered = new Promise((resolve, reject
     else if (left) { watch.disconnect(); clearTimeout(late); resolve((performance.now() - pressed) / 1000); }
   });
   const late = setTimeout(() => { watch.disconnect(); reject(new Error('no answer within the limit')); }, limit);
-  // The input row alone: Send's state changes there, and checking it on the chat's every change
-  // would force a layout of the page each time (offsetParent) while the engine decodes.
+  // Send's state changes there; checking it on every change of the chat would force a layout of
+  // the page each time (offsetParent) while the engine decodes.
   watch.observe(document.querySelector('#aerie-input'), {subtree: true, childList: true, attributes: true});
 }); }""" % IDLE
 
