@@ -206,7 +206,8 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
     c.export_md.click(bind(chats.export, store, exports, "markdown"), inputs=c.list, outputs=c.exported, **private)
     # The monitor's timer pauses while an answer streams: each refresh redraws its panel beside the
     # engine (on the 2-core Xeon ~0.1 s of the browser's CPU a tick, a tenth of a 128-token answer's).
-    locked, idle = chats.controls("answering") + (gr.update(active=False),), chats.controls("idle") + (gr.update(active=True),)
+    locked = chats.controls("answering") + (gr.update(active=False),)
+    idle = chats.controls("idle") + (gr.update(active=True),)
     gr.on([p.textbox.submit, p.send.click, p.regen.click, p.ab.click, p.race.click], outputs=[*c.lock, p.monitor],
           **in_page(locked))
     for answer in answers:

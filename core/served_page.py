@@ -4,10 +4,10 @@ the page delivers (its streaming updates, their rendering, the browser sharing t
 measured on every such run.
 
 Each prompt starts a new chat, is typed and sent with Enter, and its time runs from the key press
-until Send comes back (the answer's end is drawn), on the page's own clock. Its tokens are the stats line's count under the
-chat, its text the answer's bubble. The page decodes with the drafter its dropdown holds: the
-tuner's choice (auto), so it stands against the bench's `eagle`. Chromium runs headless, as the
-bench has no screen; it still lays out and paints every update.
+until Send comes back (the answer's end is drawn), on the page's own clock. Its tokens are the
+stats line's count under the chat, its text the answer's bubble. The page decodes with the drafter
+its dropdown holds: the tuner's choice (auto), so it stands against the bench's `eagle`. Chromium
+runs headless, as the bench has no screen; it still lays out and paints every update.
 """
 
 import re
