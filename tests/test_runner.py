@@ -110,6 +110,19 @@ def test_commit_equals_a_fresh_prefill(model, path):
         assert torch.allclose(a.keys[:, :, :runner.length], b.keys[:, :, :runner.length], atol=1e-6)
 
 
+def test_the_same_prompt_again_gives_the_same_logits(model):
+    """Regenerate, an A/B run or the same question asked twice reuses all but the prompt's last
+    token: that token's row must come out as a fresh prefill computed it, bit for bit."""
+    runner = eager_runner(model)
+    prompt = list(range(30, 100))
+    fresh = runner.prefill(prompt, 0)
+    runner.verify(TREE.tokens, TREE.depth, TREE.ancestor_mask)   # an answer's round, then the same prompt
+    runner.commit(torch.tensor([0, 1]), [7, 11])
+    again = runner.prefill(prompt[-1:], len(prompt) - 1)
+    assert torch.equal(fresh.logits, again.logits) and torch.equal(fresh.features[-1:], again.features)
+    assert runner.ids == prompt and runner.length == len(prompt) and fresh.features.shape[0] == len(prompt)
+
+
 def test_the_4d_mask_reaches_attention_untouched(model):
     runner = eager_runner(model)
     seen, built = [], []
@@ -119,7 +132,7 @@ def test_the_4d_mask_reaches_attention_untouched(model):
     model.set_attn_implementation("aerie_spy")
     try:
         verify_after(runner, list(range(10)), TREE)
-        assert len(built) == 2 and all(m is built[-1] for m in seen[-2:])   # the verify's own tensor
+        assert len(built) == 3 and all(m is built[-1] for m in seen[-2:])   # prefill's chunk, its last token; the verify's own
         assert built[-1].shape == (1, 1, 8, CPU_KV_BLOCK)   # (1, 1, bucket, L+N rounded up to a block)
         with pytest.raises(RuntimeError):          # a mask wider than the cache cannot be attended
             runner.forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),

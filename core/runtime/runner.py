@@ -147,26 +147,34 @@ class TargetRunner:
     @torch.inference_mode()
     def prefill(self, ids: list[int], start: int) -> Verified:
         """Feed `ids` at positions start.. after truncating the cache to `start`; -> the logits after
-        the last token (1, V) and the features of every fed token. Eager, in causal chunks.
-        Attention computes in fp32 (over an fp64 cache where it is one): exactness matters where a
-        tree must equal one token at a time, and every strategy prefills the same way (a 2,048-token
-        prompt, 2-core Xeon: fp64 attention took 39% of the prefill)."""
+        the last token (1, V) and the features of every fed token. All but the last token go in
+        eager causal chunks, attention in fp32 (over an fp64 cache where it is one): exactness
+        matters where a tree must equal one token at a time, and every strategy prefills the same
+        way (a 2,048-token prompt, 2-core Xeon: fp64 attention took 39% of the prefill).
+
+        The last token is fed alone, as a decode step is (a one-token verify). Regenerate, an A/B
+        run or the same question again reuses all but the prompt's last token and feeds that one
+        alone; fed inside a chunk, its row would come from the chunk's kernel instead, and the
+        same prompt could give another greedy answer (on a 2-core Xeon a 210-token prompt's logits
+        moved by up to 0.41 between the two: summation order, then bf16 rounding)."""
         self.truncate(start)
         if self.delay_s:
             time.sleep(self.delay_s)
-        features = []
-        for lo in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[lo: lo + PREFILL_CHUNK]
+        features, bulk = [], ids[:-1]
+        for lo in range(0, len(bulk), PREFILL_CHUNK):
+            chunk = bulk[lo: lo + PREFILL_CHUNK]
             length = self.length
             token_ids = torch.tensor([chunk], device=self.device)                                  # (1, T)
             positions = torch.arange(length, length + len(chunk), device=self.device)[None]        # (1, T)
             visible = torch.ones(len(chunk), len(chunk), dtype=torch.bool, device=self.device).tril()
-            hidden, feats = self.forward(token_ids, positions, self.mask(visible, length, self.prefill_dtype))
+            _, feats = self.forward(token_ids, positions, self.mask(visible, length, self.prefill_dtype))
             features.append(feats)
             self.length += len(chunk)
             self.ids += chunk
-        logits = self.target.model.get_output_embeddings()(hidden[-1:]).float()                     # (1, V)
-        return Verified(logits, torch.cat(features) if self.feature_layers is not None else None)
+        last = self.verify(torch.tensor(ids[-1:]), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool))
+        self.commit(torch.tensor([0]), ids[-1:])
+        features.append(last.features)
+        return Verified(last.logits, torch.cat(features) if self.feature_layers is not None else None)   # (1, V)
 
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor,
