@@ -58,18 +58,25 @@ class Tally:
     lossless: bool | None = True   # None: a reference on other weights (hf_* on CPU)
     tie_divergences: int = 0    # answers that left plain's only at a near-tie (runner.tie_margin)
     tree_tokens: int = 0        # tokens verified by the rounds after the prefill (tree sizes, summed)
+    reference_rounds: int = 0   # plain rounds a tuned EAGLE answer timed for its meter: not in `rounds`
     trees: Counter = field(default_factory=Counter)  # tuned runs: prompts per tree shape
     shown: list[float] = field(default_factory=list)  # each answer's speedup as the page shows it (a tuner's runs)
 
     @classmethod
     def of(cls, log: TurnLog, seconds: float) -> "Tally":
         s, tree = log.stats, log.plan.tree if log.plan and log.plan.strategy == "eagle" else None  # EAGLE's shapes
-        return cls(s.new_tokens, seconds, s.target_steps, s.accepted, s.drafted, log.draft_s, log.verify_s, log.commit_s,
+        return cls(s.new_tokens, seconds, s.target_steps - s.reference_rounds, s.accepted, s.drafted, log.draft_s,
+                   log.verify_s, log.commit_s, reference_rounds=s.reference_rounds,
                    trees=Counter([shape_name(tree)]) if tree else Counter(), shown=[s.speedup] if s.speedup else [])
+
+    @property
+    def accept_len(self) -> float | None:
+        """Tokens per target forward (the prefill's included), the meter's reference rounds left out."""
+        return (self.tokens - self.reference_rounds) / self.rounds if self.rounds else None
 
     def add(self, other: "Tally") -> None:
         for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s",
-                     "tree_tokens"):
+                     "tree_tokens", "reference_rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.lossless = None if None in (self.lossless, other.lossless) else self.lossless and other.lossless
         self.tie_divergences += other.tie_divergences
@@ -120,11 +127,12 @@ def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None
     engine.reset()  # no prefix reuse across prompts: every strategy pays its own prefill
     log = TurnLog.asked(engine, tuner, len(ids), "as asked") if asked else TurnLog.planned(engine, tuner, len(ids))
     out, t0, verified = [], time.perf_counter(), []
-    for step in engine.generate(ids, SamplingConfig(max_new_tokens=max_new)):
+    for step in engine.generate(ids, SamplingConfig(max_new_tokens=max_new), reference_every=log.reference_every):
         if ties is not None:
             ties.update(len(out) + j for j in step.near_ties)
         out += step.new_ids
-        verified.append(step.tree_size)
+        if not step.reference:   # the meter's plain rounds are not the tree's
+            verified.append(step.tree_size)
         log.add(step, time.perf_counter() - t0)
     log.end()
     tally = replace(Tally.of(log, time.perf_counter() - t0), tree_tokens=sum(verified[1:]))  # [0]: the prefill
@@ -311,7 +319,7 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
            "context_pad": context, "strategies": {}}
     for name, res in results.items():
         t = res.total
-        entry = {"tok_s": round(t.tokens / t.seconds, 2), "accept_len": round(t.tokens / t.rounds, 3) if t.rounds else None,
+        entry = {"tok_s": round(t.tokens / t.seconds, 2), "accept_len": round(t.accept_len, 3) if t.rounds else None,
                  "speedup_vs_plain": round((t.tokens / t.seconds) / (plain.tokens / plain.seconds), 3),
                  "lossless": t.lossless, "tie_divergences": t.tie_divergences, "peak_mem_mb": round(res.peak_mem_mb)}
         if t.rounds > len(prompts):
@@ -359,7 +367,7 @@ def print_table(results: dict[str, StrategyResult]) -> None:
         p = plain.total if cat == "all" else plain.by_category[cat]
         for res in results.values():
             t = res.total if cat == "all" else res.by_category[cat]
-            acc = f"{t.tokens / t.rounds:.2f}" if t.rounds else "  - "
+            acc = f"{t.accept_len:.2f}" if t.rounds else "  - "
             row += f"{t.tokens / t.seconds:>10.1f} {acc:>5} {(t.tokens / t.seconds) / (p.tokens / p.seconds):>5.2f}"
         print(row)
     for label, pick in (("served", lambda r: r.served), ("page", lambda r: r.paged)):

@@ -36,8 +36,8 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class ReplyStats:
-    """Cumulative numbers for one answer; `new_tokens / target_steps` is the mean accepted length
-    (tokens gained per target forward, the bonus token included)."""
+    """Cumulative numbers for one answer; `accept_len` is the mean accepted length (tokens gained
+    per target forward, the bonus token included, reference rounds left out)."""
 
     new_tokens: int = 0
     elapsed_s: float = 0.0
@@ -48,7 +48,8 @@ class ReplyStats:
     prompt_tokens: int = 0     # the prompt as the model saw it: chat template applied, old turns trimmed
     round_tokens: int = 0      # tokens from the rounds after the prefill...
     round_s: float = 0.0       # ...and those rounds' engine time (draft + verify + commit)
-    plain_ms: float | None = None  # plain decoding's ms per token at this context (the latency profile)
+    plain_ms: float | None = None  # plain decoding's ms per token at this context (core/tune/meter.py)
+    reference_rounds: int = 0  # of target_steps, plain rounds timed for plain_ms (one token each)
     tuning: str = ""           # the tuner's choice for this answer and its reason, one line
 
     @property
@@ -57,12 +58,13 @@ class ReplyStats:
 
     @property
     def accept_len(self) -> float:
-        return self.new_tokens / self.target_steps if self.target_steps else 0.0
+        drafted_steps = self.target_steps - self.reference_rounds
+        return (self.new_tokens - self.reference_rounds) / drafted_steps if drafted_steps else 0.0
 
     @property
     def speedup(self) -> float | None:
         """Measured speed over plain decoding: tokens per second of engine time in the rounds,
-        times plain decoding's profiled time per token at the same context."""
+        times plain decoding's time per token then (core/tune/meter.py)."""
         if not self.plain_ms or self.round_s <= 0:
             return None
         return self.round_tokens / self.round_s * self.plain_ms / 1000

@@ -22,9 +22,12 @@ from core.errors import ContextOverflowError, OutOfMemoryError
 from core.spec.sampling import sample, target_probs
 from core.spec.drafters import PlainDrafter
 from core.runtime.runner import RunnerConfig, TargetRunner, Verified
-from core.spec.tree import Draft, DraftTree, first_nodes, verify_rows
+from core.spec.tree import Draft, DraftTree, first_nodes, root_only, verify_rows
 from core.spec.verify import Acceptance, accept_greedy, accept_sampled, path_offers, top2_margins
 from models.target import Target
+
+
+REFERENCE_ROUNDS = (2, 3)   # the rounds of each `reference_every` that run plainly
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class StepResult:
     finish: str | None = None   # "eos" | "length" | None
     offers: tuple[tuple[int, int], ...] = ()  # (children, accepted rank) along the path: verify.path_offers
     near_ties: tuple[int, ...] = ()  # greedy: offsets into new_ids chosen by a top-2 margin < runner.tie_margin
+    reference: bool = False     # a plain round among drafted ones, timed as plain decoding's cost (`reference_round`)
 
 
 class Drafter(Protocol):
@@ -99,8 +103,10 @@ class Engine:
         self.runner.reset()
         self.drafter.rewind(0)
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingConfig,
-                 cancel: threading.Event | None = None) -> Iterator[StepResult]:
+    def generate(self, prompt_ids: list[int], sampling: SamplingConfig, cancel: threading.Event | None = None,
+                 reference_every: int = 0) -> Iterator[StepResult]:
+        """The answer's steps: the prefill's, then one per round. With `reference_every`, rounds
+        `reference_round` picks run plainly, so an answer measures plain decoding's cost itself."""
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt token")
         if len(prompt_ids) >= self.context_len:
@@ -109,13 +115,13 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         rng = torch.Generator(device=self.device).manual_seed(seed)
         try:
-            yield from self._generate(list(prompt_ids), sampling, rng, cancel)
+            yield from self._generate(list(prompt_ids), sampling, rng, cancel, reference_every)
         except torch.OutOfMemoryError as e:
             self.reset()
             raise OutOfMemoryError("Out of memory while generating; try a shorter chat or fewer new tokens.") from e
 
     def _generate(self, prompt: list[int], sampling: SamplingConfig, rng: torch.Generator,
-                  cancel: threading.Event | None) -> Iterator[StepResult]:
+                  cancel: threading.Event | None, reference_every: int) -> Iterator[StepResult]:
         t0 = time.perf_counter()
         verified = self.prefill(prompt)
         first = self.choose(verified.logits[-1], sampling, rng)
@@ -124,10 +130,12 @@ class Engine:
                          verify_s=time.perf_counter() - t0, commit_s=0.0,
                          finish=self.finish(first, produced, len(context), sampling),
                          near_ties=self.near_ties(top2_margins(verified.logits[-1:]), sampling))
+        rounds = 0
         while self.finish(context[-1], produced, len(context), sampling) is None:
             if cancel is not None and cancel.is_set():
                 return
-            step = self.step(context, verified, sampling, rng)
+            step = self.step(context, verified, sampling, rng, reference_round(rounds, reference_every))
+            rounds += 1
             verified = step.verified
             new = step.result.new_ids
             # Stop at EOS or the token budget even when the round accepted past it.
@@ -156,30 +164,33 @@ class Engine:
 
     @torch.inference_mode()
     def step(self, context: list[int], verified: Verified, sampling: SamplingConfig,
-             rng: torch.Generator) -> "Round":
+             rng: torch.Generator, reference: bool = False) -> "Round":
         """One speculative round: draft -> verify -> accept -> commit. On a GPU it waits for the
         device three times: the drafted tree comes to the host (rerank), verify's end (timed on its
         own), and accept's one transfer of each row's top two logits; path offers and near-ties
-        read what those brought over."""
+        read what those brought over. A `reference` round drafts nothing (plain decoding's round)
+        and hands the drafter's next round the rows it did not see (`joined`)."""
         t0 = time.perf_counter()
-        draft = self.drafter.draft(context, verified)
+        draft = Draft(root_only(context[-1])) if reference else self.drafter.draft(context, verified)
         if draft.side is None and draft.rows > self.runner.rows_left:  # a big tree near the context's end
             draft = replace(draft, tree=first_nodes(draft.tree, self.runner.rows_left))
         tree = draft.tree
         t1 = time.perf_counter()
-        verified = self.verify(draft)
+        fresh = self.verify(draft)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to verify; accept syncs anyway
         t2 = time.perf_counter()
-        acceptance = self.accept(tree, verified.logits, sampling, rng)
+        acceptance = self.accept(tree, fresh.logits, sampling, rng)
         self.commit(acceptance, tree)
         t3 = time.perf_counter()
         result = StepResult(new_ids=tuple(acceptance.new_tokens), accepted=acceptance.accepted, drafted=tree.max_depth,
                             tree_size=draft.rows, draft_s=t1 - t0, verify_s=t2 - t1, commit_s=t3 - t2,
                             offers=path_offers(tree, acceptance, draft.ranking),
                             near_ties=self.near_ties(None if acceptance.margins is None
-                                                     else acceptance.margins[acceptance.nodes], sampling))
-        return Round(result, kept(verified, acceptance.nodes))
+                                                     else acceptance.margins[acceptance.nodes], sampling),
+                            reference=reference)
+        new = kept(fresh, acceptance.nodes)
+        return Round(result, joined(verified, new) if reference else new)
 
     def verify(self, draft: Draft | DraftTree) -> Verified:
         """One target forward over a tree and any side rows -> the tree's rows (N, V) and the
@@ -220,7 +231,7 @@ class Engine:
 @dataclass(frozen=True)
 class Round:
     result: StepResult
-    verified: Verified    # logits/hidden of the kept nodes only, in path order
+    verified: Verified    # what the next draft catches up on: the kept nodes in path order (`joined` after a reference round)
 
 
 def kept(verified: Verified, nodes: torch.Tensor) -> Verified:
@@ -228,6 +239,20 @@ def kept(verified: Verified, nodes: torch.Tensor) -> Verified:
     nodes = nodes.to(verified.logits.device)
     return Verified(verified.logits[nodes], None if verified.features is None else verified.features[nodes],
                     verified.side_next)
+
+
+def joined(unseen: Verified, new: Verified) -> Verified:
+    """The rows a drafter has not seen yet and a reference round's, in order: its next draft
+    catches up on both (a plain round has no side rows)."""
+    features = None if new.features is None else torch.cat([unseen.features, new.features])
+    return Verified(torch.cat([unseen.logits, new.logits]), features)
+
+
+def reference_round(index: int, every: int) -> bool:
+    """Whether round `index` (0 = the first after the prefill) of an answer runs plainly: rounds 2
+    and 3 of every `every` (0: none), so even a short answer times plain decoding, the second of
+    each pair right after a plain round, as plain decoding runs (core/tune/meter.py)."""
+    return every > 0 and index % every in REFERENCE_ROUNDS
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -43,6 +43,23 @@ def test_multi_turn_prefix_reuse_keeps_the_head_in_step():
         turn = turn + answer + [1, 2]
 
 
+def test_reference_rounds_run_plainly_and_keep_the_head_in_step():
+    """Every 4th answer's rounds 2 and 3 run plainly (the meter's reference): the text stays plain
+    decoding's, and the head catches up on what it did not draft, within and across turns."""
+    model = tiny_llama(seed=6, layers=4)
+    drafter = EagleDrafter(random_head(model, "eagle1", 5), 4, TreeConfig(1, 2, 4))
+    engine, turn = Engine(tiny_target(model), drafter), [9, 8, 7, 6, 5]
+    for _ in range(2):
+        steps = list(engine.generate(turn, SamplingConfig(max_new_tokens=24), reference_every=4))
+        answer = [t for s in steps for t in s.new_ids]
+        assert answer == run(Engine(tiny_target(model)), turn, SamplingConfig(max_new_tokens=24))
+        rounds = steps[1:]
+        assert [s.reference for s in rounds] == [i % 4 in (2, 3) for i in range(len(rounds))] and len(rounds) > 4
+        assert all(s.tree_size == 1 and s.drafted == 0 and len(s.new_ids) == 1 for s in rounds if s.reference)
+        assert all(s.tree_size > 1 for s in rounds[:2])
+        turn = turn + answer + [3]
+
+
 def test_sampled_eagle_is_reproducible():
     model = tiny_llama(seed=6, layers=4)
     cfg = SamplingConfig(temperature=0.7, seed=9, max_new_tokens=25)

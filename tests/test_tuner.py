@@ -13,7 +13,9 @@ from core.tune.probe import Probe
 from core.tune.remembered import REMEMBERED, acceptance_path, keep, keep_speeds, recall, recall_speeds, speeds_path
 from core.tune.latency import LatencyProfile, interpolate, monotone
 from core.spec.tree import make_tree
-from core.tune.meter import MIN_DRAFTS, Meter, Turn
+from core.engine import StepResult
+from core.tune.meter import MIN_DRAFTS, REFERENCE_EVERY, Meter, Turn
+from core.tune.turn import TurnLog
 from core.tune.shapes import PositionalAcceptance, Pins, TreeRival, best_shape, node_values, prior_table
 from core.tune.tuner import PROBE_EVERY, RIVAL_RUNS, Tuner
 from core.spec.verify import Acceptance as Accepted, path_offers
@@ -372,7 +374,7 @@ def test_plan_reason_is_one_line_with_the_numbers():
 
 
 def test_meter_rescales_plain_time_by_the_measured_load():
-    step = SimpleNamespace(tree_size=8, new_ids=(1, 2, 3), draft_s=0.004, verify_s=0.0, commit_s=0.001)
+    step = SimpleNamespace(tree_size=8, new_ids=(1, 2, 3), draft_s=0.004, verify_s=0.0, commit_s=0.001, reference=False)
     calm, busy = Meter(CPU, "eagle", 100), Meter(CPU, "eagle", 100)
     calm.add(SimpleNamespace(**{**vars(step), "verify_s": CPU.round(8, 100) / 1000 - 0.001}))
     busy.add(SimpleNamespace(**{**vars(step), "verify_s": 2 * CPU.round(8, 100) / 1000 - 0.001}))
@@ -385,9 +387,29 @@ def test_meter_rescales_plain_time_by_the_measured_load():
     assert slow.turn().speedup == pytest.approx(calm.turn().speedup)
 
 
+def test_meter_times_plain_decoding_in_the_answers_reference_rounds():
+    """The second plain round of each reference pair is plain decoding's cost now, whatever the
+    profile says; the first (after a drafted round) is not timed, and neither teaches drafts."""
+    tree = TreeConfig(depth=0, top_k=1, total_tokens=2)
+    drafted = SimpleNamespace(tree_size=2, new_ids=(1, 2), draft_s=0.001, verify_s=0.012, commit_s=0.0005, reference=False)
+    def plain(verify_s):
+        return SimpleNamespace(tree_size=1, new_ids=(3,), draft_s=0.0, verify_s=verify_s, commit_s=0.0005, reference=True)
+    meter = Meter(CPU, "eagle", 100, tree=tree)
+    for step in (drafted, drafted, plain(0.030), plain(0.0095), drafted, drafted, plain(0.030), plain(0.0115)):
+        meter.add(step)
+    assert meter.references == 2 and meter.plain_ms == pytest.approx(1000 * (0.010 + 0.012) / 2)
+    assert meter.tokens == 12 and meter.engine_s == pytest.approx(4 * 0.0135 + 2 * 0.0305 + 0.010 + 0.012)
+    turn = meter.turn()
+    assert turn.drafts == 4 and turn.draft_s == pytest.approx(0.004)   # the plain rounds drafted nothing
+    assert turn.speedup == pytest.approx(12 / meter.engine_s * meter.plain_ms / 1000)
+    unreferenced = Meter(CPU, "eagle", 100, tree=tree)
+    unreferenced.add(drafted)
+    assert unreferenced.references == 0 and unreferenced.plain_ms == pytest.approx(CPU.plain_ms(101) * unreferenced.load)
+
+
 def test_meter_times_drafts_against_the_profile():
     tree = TreeConfig(depth=2, top_k=4, total_tokens=10)
-    step = SimpleNamespace(tree_size=10, new_ids=(1, 2, 3), draft_s=0.05, verify_s=0.02, commit_s=0.001)
+    step = SimpleNamespace(tree_size=10, new_ids=(1, 2, 3), draft_s=0.05, verify_s=0.02, commit_s=0.001, reference=False)
     eagle, plain = Meter(GPU, "eagle", 100, tree=tree), Meter(GPU, "plain", 100)
     for _ in range(2):
         eagle.add(step)
@@ -547,3 +569,21 @@ def test_prompt_lookup_drafts_chains_as_long_as_pay_on_the_machine():
         cpu.observe_round("prompt_lookup", [(1, 0)] * 8)   # here every copy it starts runs to the end
     cpu.ready("prompt_lookup", 100)
     assert cpu.drafters["prompt_lookup"].cfg.num_tokens > lengths["cpu"]   # longer chains, from what it taught
+
+
+def test_reference_rounds_are_the_tuners_eagle_answers_and_stay_out_of_accepted_length():
+    t = live_tuner()
+    t.drafters["eagle"].tree = TreeConfig(0, 1, 2)
+    engine = SimpleNamespace(set_drafter=lambda drafter: None, drafter=SimpleNamespace(name="eagle"))
+    planned = TurnLog.planned(engine, t, 100)
+    assert planned.stats.strategy == "eagle" and planned.reference_every == REFERENCE_EVERY
+    assert TurnLog.asked(engine, t, 100, "as asked").reference_every == 0      # A/B, races, fixed trees
+    assert TurnLog.planned(SimpleNamespace(set_drafter=lambda d: None, drafter=SimpleNamespace(name="plain")), None,
+                           100).reference_every == 0
+    rounds = [StepResult((5,), 0, 0, 20, 0.0, 0.1, 0.0)] + [StepResult((1, 2), 1, 1, 2, 0.001, 0.012, 0.0005)] * 4
+    rounds += [StepResult((3,), 0, 0, 1, 0.0, 0.01, 0.0005, reference=True)] * 2
+    for i, step in enumerate(rounds):
+        stats = planned.add(step, 0.1 * (i + 1))
+    assert stats.target_steps == 7 and stats.reference_rounds == 2 and stats.new_tokens == 11
+    assert stats.accept_len == pytest.approx(9 / 5)      # the prefill's token and 4 rounds of 2
+    assert stats.plain_ms == pytest.approx(10.5) and stats.round_tokens == 10   # the second plain round, timed

@@ -168,7 +168,7 @@ class ChatService:
         detok, stops = IncrementalDetokenizer(tokenizer), StopMatcher(stop_strings)
         previous = engine.drafter
         log = self._start(len(fitted.ids), strategy)
-        steps, t0 = engine.generate(fitted.ids, sampling, cancel), time.perf_counter()
+        steps, t0 = engine.generate(fitted.ids, sampling, cancel, log.reference_every), time.perf_counter()
         try:
             for step in steps:
                 if self.warmup is not None:  # between two rounds: graphs the child stored since

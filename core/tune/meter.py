@@ -1,4 +1,5 @@
-"""What an answer measured: its speedup over plain decoding at the machine's load then, and the
+"""What an answer measured: its speedup over plain decoding, timed in the answer itself where it
+ran reference rounds (core/engine.py `reference_round`), else at the machine's load then, and the
 drafts' real cost against the profile's."""
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from core.config import TreeConfig
 from core.tune.latency import LatencyProfile
 
 MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
+REFERENCE_EVERY = 16                # an EAGLE answer's rounds per pair of plain reference rounds (Engine.generate)
 
 
 @dataclass(frozen=True)
@@ -28,9 +30,13 @@ class Turn:
 @dataclass
 class Meter:
     """One answer's rounds after the prefill, for the measured speedup. Plain decoding's time per
-    token is the profile's at the answer's mean context, rescaled by how this answer's measured
-    verify times compare with the profile's for the same tree sizes: a machine busier (or quieter)
-    than when it was profiled slows plain decoding alike, so the ratio stays honest."""
+    token is measured where the answer ran reference rounds: the second of each pair, a plain
+    round right after a plain round, as plain decoding runs. Without them it is the profile's at
+    the answer's mean context, rescaled by how this answer's measured verify times compare with
+    the profile's for the same tree sizes (a machine busier or quieter than when it was profiled
+    slows plain decoding alike); that assumes the profile's tree-to-one-token ratios still hold,
+    which on a noisy 2-core host they did not (a 2-token round profiled at 1.25x one token, 1.11x
+    in the same bench's rounds: the page showed 1.11x for a measured 1.22x)."""
     profile: LatencyProfile
     strategy: str
     prompt_len: int
@@ -42,13 +48,20 @@ class Meter:
     drafts: int = 0
     draft_s: float = 0.0
     draft_profiled_s: float = 0.0
+    reference_s: float = 0.0   # the timed reference rounds' engine time (each one token)...
+    references: int = 0        # ... and their count
+    after_reference: bool = False
 
     def add(self, step) -> None:
         self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
         self.tokens += len(step.new_ids)
         self.engine_s += step.draft_s + step.verify_s + step.commit_s
         self.verify_s += step.verify_s + step.commit_s
-        if self.tree is not None:  # the catch-up fed what the last round committed: about this round's count
+        if step.reference and self.after_reference:
+            self.reference_s += step.draft_s + step.verify_s + step.commit_s
+            self.references += 1
+        self.after_reference = step.reference
+        if self.tree is not None and not step.reference:  # the catch-up fed what the last round committed: about this round's count
             self.drafts += 1
             self.draft_s += step.draft_s
             self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, len(step.new_ids)) / 1000
@@ -60,6 +73,8 @@ class Meter:
 
     @property
     def plain_ms(self) -> float:
+        if self.references:
+            return 1000 * self.reference_s / self.references
         return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * self.load
 
     def turn(self) -> Turn:

@@ -3,7 +3,7 @@ page and the API show, what the tuner learns (each round's offers, the turn's me
 and the totals the bench reports. The chat service and the bench both run a turn as
 
     log = TurnLog.planned(engine, tuner, prompt_len)   # the tuner's plan for it, set on the engine
-    for step in engine.generate(...):
+    for step in engine.generate(..., reference_every=log.reference_every):
         log.add(step, elapsed_s)                       # -> the ReplyStats so far
     log.end()                                          # the tuner's turn, if it was one
 """
@@ -11,7 +11,7 @@ and the totals the bench reports. The chat service and the bench both run a turn
 from dataclasses import dataclass, replace
 
 from core.config import ReplyStats
-from core.tune.meter import Meter
+from core.tune.meter import REFERENCE_EVERY, Meter
 from core.tune.tuner import Plan, Tuner
 
 
@@ -53,16 +53,26 @@ class TurnLog:
         compares with plain decoding); -> the stats so far."""
         s = self.stats
         s = replace(s, new_tokens=s.new_tokens + len(step.new_ids), elapsed_s=elapsed_s, target_steps=s.target_steps + 1,
-                    drafted=s.drafted + step.drafted, accepted=s.accepted + step.accepted)
-        if s.target_steps > 1:
+                    drafted=s.drafted + step.drafted, accepted=s.accepted + step.accepted,
+                    reference_rounds=s.reference_rounds + step.reference)
+        if s.target_steps > 1 and not step.reference:   # the drafted rounds' phases
             self.draft_s, self.verify_s, self.commit_s = (self.draft_s + step.draft_s, self.verify_s + step.verify_s,
                                                           self.commit_s + step.commit_s)
             if self.meter is not None:
                 self.tuner.observe_round(s.strategy, step.offers)
-                self.meter.add(step)
-                s = replace(s, round_tokens=self.meter.tokens, round_s=self.meter.engine_s, plain_ms=self.meter.plain_ms)
+        if s.target_steps > 1 and self.meter is not None:   # every round's time counts for the speedup
+            self.meter.add(step)
+            s = replace(s, round_tokens=self.meter.tokens, round_s=self.meter.engine_s, plain_ms=self.meter.plain_ms)
         self.stats = s
         return s
+
+    @property
+    def reference_every(self) -> int:
+        """Engine.generate's `reference_every`: the tuner's EAGLE answers time plain decoding
+        themselves (pairs of plain rounds, ~2% of their tokens). Not other drafters, which keep
+        state between rounds, nor an answer as asked (A/B and races time plain decoding whole;
+        a fixed tree's accepted length stays its own)."""
+        return REFERENCE_EVERY if self.meter is not None and self.counted and self.stats.strategy == "eagle" else 0
 
     def end(self) -> None:
         """Hand the finished turn to the tuner (it may step the ladder)."""
