@@ -389,22 +389,25 @@ def test_meter_rescales_plain_time_by_the_measured_load():
 
 def test_meter_times_plain_decoding_in_the_answers_reference_rounds():
     """The second plain round of each reference pair is plain decoding's cost now, whatever the
-    profile says; the first (after a drafted round) is not timed, and neither teaches drafts."""
+    profile says (their median); the first (after a drafted round) is not timed, and neither
+    teaches drafts."""
     tree = TreeConfig(depth=0, top_k=1, total_tokens=2)
     drafted = SimpleNamespace(tree_size=2, new_ids=(1, 2), draft_s=0.001, verify_s=0.012, commit_s=0.0005, reference=False)
     def plain(verify_s):
         return SimpleNamespace(tree_size=1, new_ids=(3,), draft_s=0.0, verify_s=verify_s, commit_s=0.0005, reference=True)
     meter = Meter(CPU, "eagle", 100, tree=tree)
-    for step in (drafted, drafted, plain(0.030), plain(0.0095), drafted, drafted, plain(0.030), plain(0.0115)):
-        meter.add(step)
-    assert meter.references == 2 and meter.plain_ms == pytest.approx(1000 * (0.010 + 0.012) / 2)
-    assert meter.tokens == 12 and meter.engine_s == pytest.approx(4 * 0.0135 + 2 * 0.0305 + 0.010 + 0.012)
+    pairs = [(0.030, 0.0095), (0.030, 0.0115), (0.030, 0.0495)]   # the last timed in a burst of load
+    for first, second in pairs:
+        for step in (drafted, drafted, plain(first), plain(second)):
+            meter.add(step)
+    assert meter.reference_ms == pytest.approx([10.0, 12.0, 50.0]) and meter.plain_ms == pytest.approx(12.0)
+    assert meter.tokens == 6 * 2 + 6 and meter.engine_s == pytest.approx(6 * 0.0135 + 3 * 0.0305 + 0.072)
     turn = meter.turn()
-    assert turn.drafts == 4 and turn.draft_s == pytest.approx(0.004)   # the plain rounds drafted nothing
-    assert turn.speedup == pytest.approx(12 / meter.engine_s * meter.plain_ms / 1000)
+    assert turn.drafts == 6 and turn.draft_s == pytest.approx(0.006)   # the plain rounds drafted nothing
+    assert turn.speedup == pytest.approx(18 / meter.engine_s * meter.plain_ms / 1000)
     unreferenced = Meter(CPU, "eagle", 100, tree=tree)
     unreferenced.add(drafted)
-    assert unreferenced.references == 0 and unreferenced.plain_ms == pytest.approx(CPU.plain_ms(101) * unreferenced.load)
+    assert not unreferenced.reference_ms and unreferenced.plain_ms == pytest.approx(CPU.plain_ms(101) * unreferenced.load)
 
 
 def test_meter_times_drafts_against_the_profile():

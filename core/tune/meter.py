@@ -2,7 +2,8 @@
 ran reference rounds (core/engine.py `reference_round`), else at the machine's load then, and the
 drafts' real cost against the profile's."""
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 from core.config import TreeConfig
 from core.tune.latency import LatencyProfile
@@ -30,8 +31,8 @@ class Turn:
 @dataclass
 class Meter:
     """One answer's rounds after the prefill, for the measured speedup. Plain decoding's time per
-    token is measured where the answer ran reference rounds: the second of each pair, a plain
-    round right after a plain round, as plain decoding runs. Without them it is the profile's at
+    token is measured where the answer ran reference rounds: the median of the second of each
+    pair, a plain round right after a plain round, as plain decoding runs. Without them it is the profile's at
     the answer's mean context, rescaled by how this answer's measured verify times compare with
     the profile's for the same tree sizes (a machine busier or quieter than when it was profiled
     slows plain decoding alike); that assumes the profile's tree-to-one-token ratios still hold,
@@ -48,8 +49,7 @@ class Meter:
     drafts: int = 0
     draft_s: float = 0.0
     draft_profiled_s: float = 0.0
-    reference_s: float = 0.0   # the timed reference rounds' engine time (each one token)...
-    references: int = 0        # ... and their count
+    reference_ms: list[float] = field(default_factory=list)   # each timed reference round (one token)
     after_reference: bool = False
 
     def add(self, step) -> None:
@@ -58,8 +58,7 @@ class Meter:
         self.engine_s += step.draft_s + step.verify_s + step.commit_s
         self.verify_s += step.verify_s + step.commit_s
         if step.reference and self.after_reference:
-            self.reference_s += step.draft_s + step.verify_s + step.commit_s
-            self.references += 1
+            self.reference_ms.append(1000 * (step.draft_s + step.verify_s + step.commit_s))
         self.after_reference = step.reference
         if self.tree is not None and not step.reference:  # the catch-up fed what the last round committed: about this round's count
             self.drafts += 1
@@ -73,8 +72,8 @@ class Meter:
 
     @property
     def plain_ms(self) -> float:
-        if self.references:
-            return 1000 * self.reference_s / self.references
+        if self.reference_ms:   # the median: a burst of load from other programs slows a round or two
+            return statistics.median(self.reference_ms)
         return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * self.load
 
     def turn(self) -> Turn:
