@@ -279,6 +279,7 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
     results = {name: StrategyResult(served=ServedTally() if serve and name in SERVED else None,
                                     paged=ServedTally() if page and name == "eagle" else None) for name in names}
     for i, (prompt, ids) in enumerate(zip(prompts, all_ids)):
+        tuned = ""   # the server's own choice for this prompt, when it made one
         for name in names:
             ties: set[int] = set()
             (out, tally), peak = measured(target.device, lambda: runner(name, ids, ties))
@@ -295,11 +296,14 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
             if res.served is not None:
                 answer = serve.answer(texts[i], max_new, SERVED[name])
                 res.served.add(answer, answer.text == target.tokenizer.decode(out, skip_special_tokens=True))
+                if SERVED[name] is None:
+                    shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
+                    tuned = f"\n      served: {answer.strategy}{shown} ({answer.tuning})"
             if res.paged is not None:   # the page draws the text: compared word for word
                 answer = page.answer(texts[i], max_new)
                 res.paged.add(answer, answer.text.split() == target.tokenizer.decode(out, skip_special_tokens=True).split())
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
-              + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names), flush=True)
+              + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names) + tuned, flush=True)
     return results
 
 

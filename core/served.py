@@ -34,6 +34,7 @@ class ServedAnswer:
     server_s: float      # the server's own time for the answer (aerie.elapsed_s: prompt to last token)
     strategy: str        # the drafter the server decoded with
     speedup: float | None  # the speedup over plain the page shows for it (aerie.speedup, ReplyStats.speedup)
+    tuning: str = ""       # the tuner's choice for it and why (aerie.tuning)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class ServedClient:
         if usage is None or stats is None:
             raise AerieError(f"The server at {self.url} ended a stream without its usage or statistics.")
         return ServedAnswer("".join(pieces), usage["completion_tokens"], seconds, stats["elapsed_s"], stats["strategy"],
-                            stats["speedup"])
+                            stats["speedup"], stats["tuning"])
 
 
 def sse_events(lines):

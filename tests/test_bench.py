@@ -91,7 +91,9 @@ def test_bench_serve_asks_a_live_server_for_the_same_answers(tiny_dir, cache_dir
     assert s["eagle"]["served"]["strategies_used"] == {"eagle": 2}  # the server's tuner chose
     assert s["eagle"]["served"]["shown_speedup"] > 0  # what the page showed, beside the measured speedup_vs_plain
     assert len(service.tuner.turns) == 2  # only the tuned answers counted as its turns
-    assert "served" in capsys.readouterr().out.split("category")[-1]  # the table's row
+    progress, table = capsys.readouterr().out.split("category", 1)
+    assert "served" in table  # the table's row
+    assert progress.count("served: eagle") == 2 and "(EAGLE" in progress  # per prompt: the server's choice and why
 
 
 def test_parse_trees():
