@@ -88,15 +88,22 @@ async def reply_events(service: ChatServiceApi, req: CompletionRequest, cancel: 
     between steps, or stops the wait when another answer holds the engine."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
+    def post(item) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise   # a closed loop means the request ended early (an error, a client gone): nobody reads on
+
     def produce() -> None:
         try:
             for event in service.reply(list(req.messages), req.system_prompt, req.sampling, req.stop, cancel,
                                        strategy=req.strategy):
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+                post(event)
         except Exception as exc:  # noqa: BLE001 - handed to the request, which reports it
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
+            post(exc)
         finally:
-            loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+            post(_DONE)
 
     threading.Thread(target=produce, name="aerie-api-reply", daemon=True).start()
     try:
