@@ -281,6 +281,19 @@ def test_a_hopeless_model_prediction_skips_eagle():
     assert plan.rung == "prompt_lookup" and "predicted only" in plan.reason
 
 
+def test_eagle_predicted_slow_runs_while_its_answers_measure_it_paying():
+    t = tuner(alphas=(0.05,))
+    assert t.plan(100).rung == "prompt_lookup"     # the profile's prediction alone: under 1.0x
+    for speedup in (1.2, 1.16):
+        t.record(Turn("eagle", 64, 64 * t.profile.plain_ms(100) / 1000 / speedup, t.profile.plain_ms(100)))
+    plan = t.plan(100)
+    assert plan.rung == "tree" and plan.predicted == pytest.approx(1.18)
+    assert "predicted 0." in plan.reason and "but EAGLE measured 1.18x over its last 2 answers" in plan.reason
+    for _ in range(2):                               # then its answers measure slow: the prediction rules again
+        t.record(Turn("eagle", 64, 64 * t.profile.plain_ms(100) / 1000 / 0.8, t.profile.plain_ms(100)))
+    assert t.plan(100).rung == "prompt_lookup"
+
+
 def test_without_a_head_the_ladder_starts_at_prompt_lookup():
     assert tuner(head=False).plan(100).rung == "prompt_lookup"
 
