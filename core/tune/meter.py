@@ -30,10 +30,10 @@ class Turn:
 
 @dataclass
 class Meter:
-    """One answer's rounds after the prefill, for the measured speedup. Plain decoding's time per
-    token is measured where the answer ran reference rounds: the median of the second of each
-    pair, a plain round right after a plain round, as plain decoding runs. Without them it is the profile's at
-    the answer's mean context, rescaled by how this answer's measured verify times compare with
+    """One answer's rounds after the prefill, for the measured speedup. Where the answer ran
+    reference rounds, plain decoding's time per token is the median of the second of each pair (a
+    plain round right after a plain round, as plain decoding runs). Without them it is the
+    profile's at the answer's mean context, rescaled by how this answer's verifies compare with
     the profile's for the same tree sizes (a machine busier or quieter than when it was profiled
     slows plain decoding alike); that assumes the profile's tree-to-one-token ratios still hold,
     which on a noisy 2-core host they did not (a 2-token round profiled at 1.25x one token, 1.11x
