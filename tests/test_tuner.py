@@ -217,6 +217,15 @@ def test_a_turn_slower_than_plain_leaves_the_rung_at_once():
     assert plan.rung == "chain" and "measured 0.90x plain for 1 turn" in plan.reason
 
 
+def test_a_turn_within_noise_of_plain_leaves_the_rung_only_with_the_next():
+    t = tuner()
+    slow_turn(t, 0.99)
+    assert t.plan(100).rung == "tree"            # one answer at 0.99x: noise here, not yet a verdict
+    slow_turn(t, 1.02)
+    plan = t.plan(100)
+    assert plan.rung == "chain" and "for 2 turns" in plan.reason
+
+
 ENGINE = SimpleNamespace(set_drafter=lambda drafter: None)
 
 

@@ -8,7 +8,7 @@ plain, prompt lookup is passed over too while its last `RIVAL_RUNS` answers (rac
 included) measured slower than plain, and its turns there move no rung. A rung is left when its measured speedup
 (tokens per second of engine time in the rounds after the prefill, times plain decoding's time
 per token: see `Meter`) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, at once when
-a turn measures it slower than plain (below `SLOWER_THAN_PLAIN`), or when the model predicts the
+a turn measures it clearly slower than plain (below `CLEARLY_SLOWER`), or when the model predicts the
 EAGLE rung cannot beat plain decoding; but a slow turn whose shape the acceptance it taught
 no longer picks first re-plans the rung (`_replan`, once per visit). The user's pins (strategy, depth, top_k, total_tokens, a
 static tree) are never overridden.
@@ -39,7 +39,11 @@ from core.tune.meter import DraftClock, Meter, Turn
 from core.tune.shapes import Pins, PositionalAcceptance, Shape, TreeRival, best_shape, shape_text
 
 DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
-SLOWER_THAN_PLAIN = 1.0             # a turn measured below this leaves its rung at once
+SLOWER_THAN_PLAIN = 1.0             # prompt lookup's mean below this: passed over where EAGLE is predicted slow
+# One answer measured below this leaves its rung at once. Answers of one shape measure within ~0.1 of
+# each other here (the same prompt 1.02x, then 1.14x), and a short roleplay answer at 0.99x sent a
+# 1.15x EAGLE to plain decoding for the rest of a served run; two under DEMOTE_BELOW still leave it.
+CLEARLY_SLOWER = 0.95
 RIVALS = ("lookahead", "layer_skip", "medusa")  # drafters chosen on their measured speed alone
 RIVAL_RUNS = 4                      # the last answers a rival's measured speedup is the mean of
 PROBE_EVERY = 8                     # measured turns on a lower rung before one turn tries the rung above
@@ -262,7 +266,7 @@ class Tuner:
         if self.rungs[self.rung] == "plain":
             return
         self.low_turns = self.low_turns + 1 if measured < DEMOTE_BELOW else 0
-        if (self.low_turns >= DEMOTE_TURNS or measured < SLOWER_THAN_PLAIN) and self.rung < len(self.rungs) - 1:
+        if (self.low_turns >= DEMOTE_TURNS or measured < CLEARLY_SLOWER) and self.rung < len(self.rungs) - 1:
             if self._replan(measured):
                 return
             self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {measured:.2f}x plain "
