@@ -54,11 +54,12 @@ class Meter:
 
     def add(self, step) -> None:
         self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
+        round_s = step.draft_s + step.verify_s + step.commit_s
         self.tokens += len(step.new_ids)
-        self.engine_s += step.draft_s + step.verify_s + step.commit_s
+        self.engine_s += round_s
         self.verify_s += step.verify_s + step.commit_s
         if step.reference and self.after_reference:
-            self.reference_ms.append(1000 * (step.draft_s + step.verify_s + step.commit_s))
+            self.reference_ms.append(1000 * round_s)
         self.after_reference = step.reference
         if self.tree is not None and not step.reference:  # the catch-up fed what the last round committed: about this round's count
             self.drafts += 1

@@ -136,7 +136,7 @@ class Tuner:
         if rival is not None and self.measured(rival) > beaten:
             speed = self.measured(rival)
             return Plan(rival, None, speed, f"{LABELS[rival]}: measured {speed:.2f}x plain over its last "
-                                            f"{len(self.heard[rival][-RIVAL_RUNS:])} answers, ahead of {LABELS[plan.rung]}")
+                                            f"{len(self.recent(rival))} answers, ahead of {LABELS[plan.rung]}")
         return self.predicted_rival(context, beaten) or plan
 
     def predicted_rival(self, context: float, beaten: float) -> Plan | None:
@@ -153,9 +153,13 @@ class Tuner:
                                                    f"per {shape.round_ms:.0f} ms round, predicted {predicted:.2f}x plain")
         return best
 
+    def recent(self, strategy: str) -> list[float]:
+        """The measured speedups of `strategy`'s last RIVAL_RUNS answers."""
+        return self.heard.get(strategy, [])[-RIVAL_RUNS:]
+
     def measured(self, strategy: str) -> float | None:
         """The mean measured speedup of `strategy`'s last RIVAL_RUNS answers, or None if none."""
-        runs = self.heard.get(strategy, [])[-RIVAL_RUNS:]
+        runs = self.recent(strategy)
         return sum(runs) / len(runs) if runs else None
 
     def best_rival(self) -> str | None:
@@ -174,7 +178,7 @@ class Tuner:
     def _ladder_plan(self, context: float) -> Plan:
         plain_ms, scale = self.profile.plain_ms(context), self.draft_clock.scale
         clock = f"drafts measured {scale:.1f}x the profile's time" if not 2 / 3 < scale < 3 / 2 else ""
-        note = "; ".join(filter(None, [self.demoted, clock]))
+        note, measured = "; ".join(filter(None, [self.demoted, clock])), self.measured("eagle")
         top = self.rung - 1 if self.probe_due else self.rung
         if top < self.rung:
             note = "; ".join(filter(None, [f"probing {LABELS[self.rungs[top]]} again after {self.since_probe} turns "
@@ -186,7 +190,7 @@ class Tuner:
             slow = self.measured(rung) if rung == "prompt_lookup" and index > max(self.rung, top) else None
             if slow is not None and slow < SLOWER_THAN_PLAIN and index < len(self.rungs) - 1:
                 note = "; ".join(filter(None, [f"{LABELS[rung]} measured {slow:.2f}x plain over its last "
-                                               f"{len(self.heard[rung][-RIVAL_RUNS:])} answers", note]))
+                                               f"{len(self.recent(rung))} answers", note]))
                 continue
             if rung not in ("tree", "chain"):
                 return Plan(rung, None, None, self._why(rung, plain_ms, context, note))
@@ -194,19 +198,19 @@ class Tuner:
                 return Plan(rung, self.pins.static, None, "EAGLE-1's static tree, as asked (--static-tree)")
             shape = self.shape(rung, context, scale)
             predicted = shape.tokens / shape.round_ms * plain_ms
-            measured = self.measured("eagle")
             # The prediction is the profile's; EAGLE's answers time plain decoding themselves (meter.py), so
             # where they measured it paying, they outweigh a profile timed in another minute of a noisy host
             # (a server re-profiled at start predicted 0.95x for the chain the bench measured at 1.16x, and
             # answered plainly throughout). Slow answers bring the mean down, and the prediction back.
             trusted = measured is not None and measured >= DEMOTE_BELOW and predicted < 1.0
             if predicted >= 1.0 or trusted or index == len(self.rungs) - 1 or self.pins.strategy:
-                t, runs = shape.tree, len(self.heard.get("eagle", [])[-RIVAL_RUNS:])
+                t = shape.tree
                 return Plan(rung, t, measured if trusted else predicted,
                             f"{LABELS[rung]} {shape_text(t)}: "
                             f"{shape.tokens:.2f} tokens per {shape.round_ms:.0f} ms round, predicted "
                             f"{predicted:.2f}x plain ({plain_ms:.0f} ms/token at {context:.0f} tokens)"
-                            + (f", but EAGLE measured {measured:.2f}x over its last {runs} answers" if trusted else "")
+                            + (f", but EAGLE measured {measured:.2f}x over its last {len(self.recent('eagle'))} answers"
+                               if trusted else "")
                             + (f"; {note}" if note else ""))
             note = "; ".join(filter(None, [f"{LABELS[rung]} predicted only {predicted:.2f}x plain", clock]))
         raise AssertionError("the ladder always ends in a rung that needs no model")
