@@ -77,6 +77,9 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
         p.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
         p.add_argument("--api-key", help="key the OpenAI-compatible API at /v1 asks for (Authorization: Bearer KEY); "
                        "required with a --host beyond this machine; default: $AERIE_API_KEY")
+        p.add_argument("--chats", type=Path, metavar="FILE",
+                       help="the SQLite file saved chats live in (default: Aerie's folder in the user's data folder: "
+                       "~/.local/share/aerie, ~/Library/Application Support/Aerie or %%APPDATA%%\\Aerie)")
         p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                        help="a web origin (e.g. http://127.0.0.1:3000) whose pages may call Aerie without the key; repeatable")
     return p.parse_args(argv)

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -111,7 +112,7 @@ def run_app(args: argparse.Namespace) -> None:
     from core.errors import AerieError
 
     try:
-        store = ChatStore(default_store_path())  # before the model: a store that cannot open fails fast
+        store = ChatStore(args.chats or default_store_path())  # before the model: a store that cannot open fails fast
         service = chat_service(args)
     except AerieError as e:
         fail(e)
@@ -233,7 +234,10 @@ def run_bench(args: argparse.Namespace) -> None:
             trees["eagle_default_tree"] = TreeConfig(depth=6, top_k=10, total_tokens=60)
         if args.page and not args.serve:
             fail("--page types the prompts into a live server's page: give --serve too.")
-        server = Server(server_command(args)) if args.serve else None
+        # The bench's server keeps its chats apart: the page's prompts must not fill the user's chat list
+        # (nor a long list slow the page it times).
+        chats = tempfile.TemporaryDirectory(prefix="aerie-bench-") if args.serve else None
+        server = Server(server_command(args, Path(chats.name) / "chats.sqlite3")) if chats else None
         page = None
         try:
             page = PageClient(server.url) if args.page else None
@@ -244,19 +248,22 @@ def run_bench(args: argparse.Namespace) -> None:
                 page.close()
             if server:
                 server.stop()
+            if chats:
+                chats.cleanup()
     except (AerieError, ValueError) as e:
         fail(e)
     print(json.dumps(report))
 
 
-def server_command(args: argparse.Namespace) -> list[str]:
-    """`launch.py` serving the model bench was asked for, on this machine only, for `bench --serve`."""
+def server_command(args: argparse.Namespace, chats: Path) -> list[str]:
+    """`launch.py` serving the model bench was asked for, on this machine only, for `bench --serve`,
+    its chats saved in `chats`."""
     values = {"--model": args.model, "--quant": args.quant, "--device": args.device, "--head": args.head,
               "--medusa": args.medusa, "--depth": args.depth, "--top-k": args.top_k, "--total-tokens": args.total_tokens,
               "--cache-dir": args.cache_dir, "--vram-reserve": args.vram_reserve, "--attention": args.attention}
     flags = {"--allow-pickle": args.allow_pickle, "--static-tree": args.static_tree, "--no-compile": args.no_compile,
              "--kernel-mix": args.kernel_mix}
-    return [sys.executable, str(ROOT / "launch.py"), "--no-browser", "--host", "127.0.0.1",
+    return [sys.executable, str(ROOT / "launch.py"), "--no-browser", "--host", "127.0.0.1", "--chats", str(chats),
             *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
             *(name for name, on in flags.items() if on)]
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from app.answers import STRATEGY_LABELS
-from app.store import ChatStore, default_store_path
+from app.store import ChatStore
 from app.ui import MONITOR_S
 from tests.browser import (ANSWERED, CHROMIUM, SCREENSHOT, SEE_MS, STATS, VIEWPORT, act, answers, ask, button, expect,
                            new_chat, open_page, questions, seen, set_max_tokens, shown_chat, stats, sync_api)
@@ -26,11 +26,12 @@ pytestmark = [pytest.mark.slow,
 @pytest.fixture(scope="module")
 def server(embedded_dir, cache_dir, tmp_path_factory):
     """-> (base URL, the server's chat store)."""
-    data = tmp_path_factory.mktemp("aerie-data")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_DATA_HOME": str(data)}
-    proc, url = start_aerie(cache_dir, "--no-compile", env=env)  # the page, not compiling (test_cpu_quant.py)
+    chats = tmp_path_factory.mktemp("aerie-data") / "chats.sqlite3"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # --chats: the page saves there, not in the user's chats (the page, not compiling: test_cpu_quant.py)
+    proc, url = start_aerie(cache_dir, "--no-compile", "--chats", str(chats), env=env)
     try:
-        yield url, ChatStore(default_store_path({"XDG_DATA_HOME": str(data)}, "linux"))
+        yield url, ChatStore(chats)
     finally:
         proc.terminate()
         proc.wait(30)
