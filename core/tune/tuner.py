@@ -7,9 +7,10 @@ The ladder: tree -> chain -> prompt lookup -> plain. Where the EAGLE rungs are p
 plain, prompt lookup is passed over too while its last `RIVAL_RUNS` answers (races and A/Bs
 included) measured slower than plain, and its turns there move no rung. A rung is left when its measured speedup
 (tokens per second of engine time in the rounds after the prefill, times plain decoding's time
-per token: see `Meter`) stays below `DEMOTE_BELOW` for `DEMOTE_TURNS` turns in a row, at once when
-a turn measures it clearly slower than plain (below `CLEARLY_SLOWER`), or when the model predicts the
-EAGLE rung cannot beat plain decoding; but a slow turn whose shape the acceptance it taught
+per token: see `Meter`), averaged over its last answers (at least `DEMOTE_TURNS`, at most
+`RIVAL_RUNS`, weighed by their tokens), is below plain decoding's; at once when one answer measures
+it clearly slower (below `CLEARLY_SLOWER`); or when the model predicts the EAGLE rung cannot beat
+plain decoding; but a slow turn whose shape the acceptance it taught
 no longer picks first re-plans the rung (`_replan`, once per visit). The user's pins (strategy, depth, top_k, total_tokens, a
 static tree) are never overridden.
 
@@ -38,12 +39,15 @@ from core.tune.latency import LatencyProfile
 from core.tune.meter import DraftClock, Meter, Turn
 from core.tune.shapes import Pins, PositionalAcceptance, Shape, TreeRival, best_shape, shape_text
 
-DEMOTE_BELOW, DEMOTE_TURNS, MIN_TURN_TOKENS = 1.05, 2, 16
-SLOWER_THAN_PLAIN = 1.0             # prompt lookup's mean below this: passed over where EAGLE is predicted slow
-# One answer measured below this leaves its rung at once. Answers of one shape measure within ~0.1 of
-# each other here (the same prompt 1.02x, then 1.14x), and a short roleplay answer at 0.99x sent a
-# 1.15x EAGLE to plain decoding for the rest of a served run; two under DEMOTE_BELOW still leave it.
-CLEARLY_SLOWER = 0.95
+DEMOTE_BELOW, MIN_TURN_TOKENS = 1.05, 16   # a probe or a rival must measure DEMOTE_BELOW to win
+SLOWER_THAN_PLAIN = 1.0             # a rung's mean below this leaves it; prompt lookup's, passed over
+# One answer's measured speedup is noisy: the same prompt measured 1.02x, then 1.14x; against the
+# wall-clock ratio of a plain and an EAGLE answer to the same prompt, 16 answers' meters differed by
+# 0.06 on average on a quiet host and 0.19 beside a bursty load (50 ms busy every 250 ms, as a page's
+# updates). Leaving a rung on one or two answers sent a 1.15x EAGLE to plain decoding in served runs,
+# so a rung is judged by the mean of its last DEMOTE_TURNS or more answers, and one answer leaves it
+# only when far below plain (CLEARLY_SLOWER).
+DEMOTE_TURNS, CLEARLY_SLOWER = 3, 0.85
 RIVALS = ("lookahead", "layer_skip", "medusa")  # drafters chosen on their measured speed alone
 RIVAL_RUNS = 4                      # the last answers a rival's measured speedup is the mean of
 PROBE_EVERY = 8                     # measured turns on a lower rung before one turn tries the rung above
@@ -98,7 +102,8 @@ class Tuner:
         if self.pins.top_k == 1 and rungs[0] == "tree":
             rungs = ["chain", *rungs[1:]]   # a pinned width of 1 is a chain: the tree rung would repeat it
         self.rungs, self.rung = list(dict.fromkeys(rungs)), 0
-        self.low_turns, self.demoted = 0, ""   # turns in a row below DEMOTE_BELOW; the ladder's last move and why
+        self.runs: list[Turn] = []             # this rung's measured turns since it was reached (RIVAL_RUNS at most)
+        self.demoted = ""                      # the ladder's last move and why
         self.since_probe = 0                   # measured turns on this rung since it was reached or last probed
         self.trial: int | None = None          # the rung above that the planned turn probes
         self.planned: Plan | None = None       # the last turn's plan, and its context
@@ -264,18 +269,21 @@ class Tuner:
             self.since_probe = 0
             if measured >= DEMOTE_BELOW:
                 self.demoted = f"{LABELS[self.rungs[trial]]} probed at {measured:.2f}x plain: back up"
-                self.rung, self.low_turns, self.replanned = trial, 0, False
+                self.rung, self.runs, self.replanned = trial, [], False
             return  # a lost probe says nothing about the rung the ladder stays on
         self.since_probe += 1
         if self.rungs[self.rung] == "plain":
             return
-        self.low_turns = self.low_turns + 1 if measured < DEMOTE_BELOW else 0
-        if (self.low_turns >= DEMOTE_TURNS or measured < CLEARLY_SLOWER) and self.rung < len(self.rungs) - 1:
+        self.runs = [*self.runs, turn][-RIVAL_RUNS:]
+        mean = sum(t.tokens * t.speedup for t in self.runs) / sum(t.tokens for t in self.runs)
+        slow = len(self.runs) >= DEMOTE_TURNS and mean < SLOWER_THAN_PLAIN
+        if (slow or measured < CLEARLY_SLOWER) and self.rung < len(self.rungs) - 1:
             if self._replan(measured):
                 return
-            self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {measured:.2f}x plain "
-                            f"for {self.low_turns} turn{'s' if self.low_turns > 1 else ''} (< {DEMOTE_BELOW})")
-            self.rung, self.low_turns, self.since_probe, self.replanned = self.rung + 1, 0, 0, False
+            self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {mean:.2f}x plain over {len(self.runs)} "
+                            f"turn{'s' if len(self.runs) > 1 else ''}" if slow else
+                            f"{LABELS[self.rungs[self.rung]]} measured {measured:.2f}x plain (< {CLEARLY_SLOWER})")
+            self.rung, self.runs, self.since_probe, self.replanned = self.rung + 1, [], 0, False
 
     def _replan(self, measured: float) -> bool:
         """Whether a slow turn on an EAGLE rung ran a shape that the acceptance it taught no longer
@@ -289,7 +297,7 @@ class Tuner:
         if shape.tree == plan.tree:
             return False
         old, new = plan.tree, shape.tree
-        self.replanned, self.low_turns = True, 0
+        self.replanned, self.runs = True, []
         self.demoted = (f"d{old.depth}k{old.top_k}n{old.total_tokens} measured {measured:.2f}x plain: "
                         f"re-planned to d{new.depth}k{new.top_k}n{new.total_tokens} on what it taught")
         return True
