@@ -302,6 +302,8 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
             if res.paged is not None:   # the page draws the text: compared word for word
                 answer = page.answer(texts[i], max_new)
                 res.paged.add(answer, answer.text.split() == target.tokenizer.decode(out, skip_special_tokens=True).split())
+                shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
+                tuned += f"\n      page: {answer.strategy}{shown}"
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names) + tuned, flush=True)
     return results

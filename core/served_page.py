@@ -13,6 +13,7 @@ runs headless, as the bench has no screen; it still lays out and paints every up
 import re
 from pathlib import Path
 
+from core.config import STRATEGY_LABELS
 from core.errors import AerieError
 from core.served import ServedAnswer
 
@@ -20,6 +21,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 WAIT_MS = 600_000     # the longest answer the bench waits for
 STATS = re.compile(r"(\d+) tokens? · [\d.]+ tok/s")
 SPEEDUP = re.compile(r"speedup ([\d.]+)× vs plain")
+DRAFTER = re.compile("vs plain · (" + "|".join(map(re.escape, STRATEGY_LABELS.values())) + ")")   # the drafter it ran
+DRAFTER_NAMES = {label: name for name, label in STRATEGY_LABELS.items()}
 ANSWERS = "#aerie-chat .message:not(.thought) > [data-testid='bot']"   # answers, less their statistics rows
 # True once Send is shown and enabled: the page is idle, the last answer drawn.
 IDLE = """() => [...document.querySelectorAll('#aerie-input button')]
@@ -82,10 +85,11 @@ class PageClient:
         found = STATS.search(stats)
         if not found:
             raise AerieError(f"The page's answer ended without its statistics: {stats!r}")
-        speedup = SPEEDUP.search(stats)
+        speedup, drafter = SPEEDUP.search(stats), DRAFTER.search(stats)
         shown = tab.locator(ANSWERS).last.inner_text()
         # server_s 0: the page does not say how long the service took, only the stats line's own tok/s
-        return ServedAnswer(shown.strip(), int(found[1]), seconds, 0.0, "page", float(speedup[1]) if speedup else None)
+        return ServedAnswer(shown.strip(), int(found[1]), seconds, 0.0, DRAFTER_NAMES[drafter[1]] if drafter else "page",
+                            float(speedup[1]) if speedup else None)
 
     def _settings(self, max_new: int) -> None:
         """Max new tokens as the bench's, temperature 0 (greedy, as the bench)."""
