@@ -234,8 +234,7 @@ def run_bench(args: argparse.Namespace) -> None:
             trees["eagle_default_tree"] = TreeConfig(depth=6, top_k=10, total_tokens=60)
         if args.page and not args.serve:
             fail("--page types the prompts into a live server's page: give --serve too.")
-        # The bench's server keeps its chats apart: the page's prompts must not fill the user's chat list
-        # (nor a long list slow the page it times).
+        # The bench's server keeps its chats apart: the page's prompts must not fill the user's chat list.
         chats = tempfile.TemporaryDirectory(prefix="aerie-bench-") if args.serve else None
         server = Server(server_command(args, Path(chats.name) / "chats.sqlite3")) if chats else None
         page = None

@@ -26,8 +26,6 @@ from core.config import STRATEGY_LABELS, ReplyEvent, ReplyStats, SamplingConfig
 INTERRUPTED = "interrupted"
 FINISH_LABELS = {"stop": "stop string", "length": "max tokens reached", "cancelled": "stopped", "error": "failed",
                  INTERRUPTED: "interrupted"}
-# The drafters' names (core's ReplyStats.strategy, the last part of the service's label) as the
-# page shows them: the one place they are worded for people.
 # Highlighting draws the answer as escaped text on one line (newlines as <br>): Markdown would
 # break a <mark> that spans two paragraphs or sits in a code block, and a one-line HTML block is
 # passed through Markdown untouched. Gradio's sanitiser keeps <div>, <mark>, <br> and class.

@@ -7,7 +7,8 @@ from models.quants import QUANTS  # noqa: F401  (re-exported for app/, which imp
 
 # Every drafter by name (core/spec/), cheapest first: what --strategy, the API's aerie.strategy and the bench accept.
 DRAFTERS = ("plain", "prompt_lookup", "lookahead", "layer_skip", "medusa", "eagle")
-# each drafter's name for people: the page's stats line ends with it (app/answers.py, core/served_page.py)
+# The drafters' names (ReplyStats.strategy) as people read them, the one place they are worded: the page's
+# stats line ends with one (app/answers.py), and bench --page reads it back (core/served_page.py).
 STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "lookahead": "lookahead",
                    "layer_skip": "layer skip", "medusa": "Medusa heads", "eagle": "EAGLE head"}
 TUNED = "Aerie: tuned"      # the app's line once its engine runs compiled and its tuner plans (bench --serve waits for it)
