@@ -15,7 +15,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[2] / "shared"
-COUNTS = {"writing": 2000, "roleplay": 1200, "stem": 800, "humanities": 800, "extraction": 1000}
+COUNTS = {"writing": 2000, "roleplay": 1200, "stem": 800, "humanities": 800, "extraction": 700}
 
 FORMS = ["a persuasive essay", "a blog post", "a short story", "a poem", "a product description", "a cover letter",
          "an email to a colleague", "a short speech", "a news article", "a restaurant review", "a film review",
@@ -76,10 +76,10 @@ HUMANITIES = ["the causes of the First World War", "the Renaissance", "the idea 
               "the rise of cities in the Middle Ages", "the ethics of lying", "the meaning of freedom of speech",
               "the history of money", "impressionist painting", "the Reformation", "why languages change over time",
               "the purpose of education", "the Enlightenment", "opportunity cost", "the tragedy of the commons"]
-EXPLAIN = ["Explain {c} in simple terms.", "Explain {c} to a high school student.", "What is {c}? Give an example.",
+EXPLAIN = ["Explain {c} in simple terms.", "Explain {c} to a high school student.", "Explain {c} with an example.",
            "Describe {c} and why it matters.", "Give a short overview of {c}.", "Explain {c} in three key points.",
            "How would you teach {c} to a ten-year-old?", "Summarise what is known about {c}.",
-           "What are common misconceptions about {c}?", "Discuss {c} and its significance today."]
+           "What are common misconceptions about {c}?", "Write a short explainer on {c}."]
 EXTRACT = ["List every person, place and organisation the passage names, as JSON with the keys people, places and "
            "organisations.", "Summarise the passage in three bullet points.",
            "Give the passage a title and a two-sentence summary.", "List the dates and numbers in the passage and "
@@ -91,6 +91,8 @@ EXTRACT = ["List every person, place and organisation the passage names, as JSON
 DEPTH = ["", " Keep it short.", " Use an everyday analogy.", " Use a numbered list.", " Mention one open question.",
          " Answer in two paragraphs."]
 WORD = re.compile(r"[a-z]{4,}")
+TASK_WORDS = re.compile(r"\b(question|answer|options?|choose|exercise|following|generate|select)\b", re.IGNORECASE)
+LEAD = re.compile(r"^(I can use this background:|Background:|- )\s*")
 
 
 def words(text: str) -> set[str]:
@@ -98,14 +100,16 @@ def words(text: str) -> set[str]:
 
 
 def passages(rng: random.Random) -> list[str]:
-    """The longest paragraph (300-1500 characters) of each T0 prompt that has one, quotes stripped."""
+    """The longest paragraph (300-1500 characters) of each T0 prompt that has one, quotes stripped,
+    if it reads as a passage: several sentences, no question, none of the task's own wording."""
     found = []
     for line in (SHARED / "prompts" / "t0_sample.jsonl").read_text().split("\n"):
         if not line.strip():
             continue
-        blocks = [b.strip().strip('"').strip() for b in json.loads(line)["prompt"].split("\n\n")]
+        blocks = [LEAD.sub("", b.strip().strip('"').strip()) for b in json.loads(line)["prompt"].split("\n\n")]
         block = max(blocks, key=len)
-        if 300 <= len(block) <= 1500:
+        if (300 <= len(block) <= 1500 and "?" not in block and block.count(". ") >= 3
+                and not TASK_WORDS.search(block)):
             found.append(block)
     rng.shuffle(found)
     return found
