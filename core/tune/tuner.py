@@ -280,8 +280,8 @@ class Tuner:
         if (slow or measured < CLEARLY_SLOWER) and self.rung < len(self.rungs) - 1:
             if self._replan(measured):
                 return
-            self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {mean:.2f}x plain over {len(self.runs)} "
-                            f"turn{'s' if len(self.runs) > 1 else ''}" if slow else
+            self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {mean:.2f}x plain over {len(self.runs)} turns"
+                            if slow else
                             f"{LABELS[self.rungs[self.rung]]} measured {measured:.2f}x plain (< {CLEARLY_SLOWER})")
             self.rung, self.runs, self.since_probe, self.replanned = self.rung + 1, [], 0, False
 
