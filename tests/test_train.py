@@ -164,8 +164,11 @@ def test_replay_weighs_the_rows_the_heads_chain_reaches_and_gets_wrong(model):
     assert not torch.isclose(plain, total)
 
 
-def test_flattest_keeps_the_answers_the_target_is_least_sure_of():
-    """Three answers of 2 positions: sharp, uniform and in between; the flattest two are 1 and 2."""
+@pytest.mark.parametrize("chunk", [1 << 20, 3, 1])
+def test_flattest_keeps_the_answers_the_target_is_least_sure_of(chunk, monkeypatch):
+    """Three answers of 2 positions: sharp, uniform and in between; the flattest two are 1 and 2,
+    however the entropies are chunked (3 rows: a chunk ends inside an answer)."""
+    monkeypatch.setattr("core.train.data.ENTROPY_ROWS", chunk)
     logits = torch.tensor([[9.0, 0, 0], [9, 0, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [2, 0, 0]])
     fs = FeatureSet(tokens=torch.zeros(9, dtype=torch.long), features=torch.zeros(9, 4), starts=torch.tensor([0, 3, 6, 9]),
                     prompt_lens=torch.ones(3, dtype=torch.long), tstarts=torch.tensor([0, 2, 4, 6]),

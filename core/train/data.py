@@ -320,12 +320,20 @@ def load_features(paths: list[Path]) -> FeatureSet:
                       teacher_ids=cat["teacher_ids"], teacher_logits=cat["teacher_logits"])
 
 
+ENTROPY_ROWS = 1 << 20   # teacher rows per chunk: four fp32 (M, K) temporaries at once are 6.5 GB at 6.3M rows
+
+
+def row_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """(m, K) top-K logits -> (m,) entropy of their softmax."""
+    logp = logits.float().log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
 def flattest(fs: FeatureSet, share: float) -> list[int]:
     """The `share` of sequences whose answer positions the target is least sure of: highest mean
     entropy H = -sum_k p_k log p_k of its top-K next-token distribution (flatness data selection,
     arXiv 2601.18902), ascending indices. Where the target is sure, the head already agrees."""
-    logp = fs.teacher_logits.float().log_softmax(-1)                     # (M, K)
-    entropy = -(logp.exp() * logp).sum(-1)                               # (M,)
+    entropy = torch.cat([row_entropy(part) for part in fs.teacher_logits.split(ENTROPY_ROWS)])  # (M,)
     sums = torch.cat([torch.zeros(1), entropy.cumsum(0)])[fs.tstarts]    # (S+1,)
     mean = (sums[1:] - sums[:-1]) / (fs.tstarts[1:] - fs.tstarts[:-1]).clamp(min=1)
     keep = max(1, round(share * len(fs)))
