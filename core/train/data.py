@@ -296,23 +296,22 @@ class FeatureSet:
 
 
 def load_features(paths: list[Path]) -> FeatureSet:
-    """The shards' tensors, each filled into one buffer allocated from the shards' shapes: reading
-    them whole and concatenating would hold every feature twice at the peak (20 GB for 5.7M positions)."""
-    shapes: dict[str, list[list[int]]] = {}
+    """The shards' tensors, each copied into one buffer sized from the shards' headers: reading them
+    whole and concatenating would hold every shard's tensors twice at the peak."""
+    rows: dict[str, int] = {}
     for p in paths:
         with safe_open(str(p), "pt") as f:
             for k in f.keys():
-                shapes.setdefault(k, []).append(f.get_slice(k).get_shape())
-    cat, done = {}, dict.fromkeys(shapes, 0)
+                rows[k] = rows.get(k, 0) + f.get_slice(k).get_shape()[0]
+    cat, filled = {}, dict.fromkeys(rows, 0)
     for p in paths:
         with safe_open(str(p), "pt") as f:
             for k in f.keys():
                 part = f.get_tensor(k)
                 if k not in cat:
-                    rows = sum(shape[0] for shape in shapes[k])
-                    cat[k] = torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
-                cat[k][done[k]: done[k] + len(part)] = part
-                done[k] += len(part)
+                    cat[k] = torch.empty((rows[k], *part.shape[1:]), dtype=part.dtype)
+                cat[k][filled[k]: filled[k] + len(part)] = part
+                filled[k] += len(part)
     lengths, prompt_lens = cat["lengths"], cat["prompt_lens"]
     zero = torch.zeros(1, dtype=torch.long)
     return FeatureSet(tokens=cat["tokens"].long(), features=cat["features"], starts=torch.cat([zero, lengths.cumsum(0)]),
