@@ -23,10 +23,12 @@ from core.service.contract import ChatServiceApi
 
 log = logging.getLogger(__name__)
 # The page shows a streaming answer at most this often (and always its end). Each update costs the
-# engine ~30-40 ms of the 2 cores (Gradio's diff and stream, Chromium's redraw): on the AMX Xeon, plain
-# decoding of 128 tokens took 1.06 s in the page at 0.1 s against 0.72 through the API; at 0.25 s
-# or 0.5 s six MT-bench answers ran at 0.78x the API's tokens/s either way.
-SHOW_EVERY_S = 0.25
+# engine ~30-40 ms of the 2 cores (Gradio's diff and stream, Chromium's redraw; two busy threads lose
+# more than the CPU time taken, as one waits for the other): on the AMX Xeon, plain decoding of 128
+# tokens took 1.06 s in the page at 0.1 s against 0.72 through the API. Six MT-bench answers x 128
+# tokens, the page against the API on one server (2026-12-06, a noisy host, alternated runs): 0.25 s
+# 0.91 / 0.97 / 0.87 / 0.94, 0.5 s 1.01 / 0.93 / 1.04; only the end shown 1.06.
+SHOW_EVERY_S = 0.5
 
 Chat = list[dict[str, Any]]
 
