@@ -183,8 +183,8 @@ def tuner(pins=Pins(), alphas=(0.7, 0.6), prof=CPU, head=True) -> Tuner:
     return Tuner(prof, PositionalAcceptance(prior_table(alphas)), pins, drafters, max_size=96)
 
 
-def slow_turn(t: Tuner, speedup: float, strategy="eagle") -> None:
-    tokens = 64  # engine time chosen so that tokens / time x plain_ms = speedup
+def slow_turn(t: Tuner, speedup: float, strategy="eagle", tokens: int = 64) -> None:
+    # engine time chosen so that tokens / time x plain_ms = speedup
     t.end_turn(Turn(strategy, tokens, tokens * t.profile.plain_ms(100) / 1000 / speedup, t.profile.plain_ms(100)))
 
 
@@ -226,6 +226,16 @@ def test_an_answer_far_slower_than_plain_leaves_the_rung_at_once():
     slow_turn(t, 0.8)
     plan = t.plan(100)
     assert plan.rung == "chain" and "measured 0.80x plain (< 0.85)" in plan.reason
+
+
+def test_a_short_answer_alone_does_not_leave_the_rung():
+    t = tuner()
+    slow_turn(t, 0.78, tokens=31)                # too few rounds to judge alone
+    assert t.plan(100).rung == "tree"
+    slow_turn(t, 0.9, tokens=31)
+    slow_turn(t, 0.95, tokens=64)                # but it counts in the rung's mean: 0.90x over three
+    plan = t.plan(100)
+    assert plan.rung == "chain" and "over 3 turns" in plan.reason
 
 
 ENGINE = SimpleNamespace(set_drafter=lambda drafter: None)

@@ -9,7 +9,7 @@ included) measured slower than plain, and its turns there move no rung. A rung i
 (tokens per second of engine time in the rounds after the prefill, times plain decoding's time
 per token: see `Meter`), averaged over its last answers (at least `DEMOTE_TURNS`, at most
 `RIVAL_RUNS`, weighed by their tokens), is below plain decoding's; at once when one answer measures
-it clearly slower (below `CLEARLY_SLOWER`); or when the model predicts the EAGLE rung cannot beat
+it clearly slower (below `CLEARLY_SLOWER`, over `CLEAR_TOKENS` or more); or when the model predicts the EAGLE rung cannot beat
 plain decoding; but a slow turn whose shape the acceptance it taught
 no longer picks first re-plans the rung (`_replan`, once per visit). The user's pins (strategy, depth, top_k, total_tokens, a
 static tree) are never overridden.
@@ -46,8 +46,9 @@ SLOWER_THAN_PLAIN = 1.0             # a rung's mean below this leaves it; prompt
 # 0.06 on average on a quiet host and 0.19 beside a bursty load (50 ms busy every 250 ms, as a page's
 # updates). Leaving a rung on one or two answers sent a 1.15x EAGLE to plain decoding in served runs,
 # so a rung is judged by the mean of its last DEMOTE_TURNS or more answers, and one answer leaves it
-# only when far below plain (CLEARLY_SLOWER).
-DEMOTE_TURNS, CLEARLY_SLOWER = 3, 0.85
+# only when far below plain (CLEARLY_SLOWER) over at least CLEAR_TOKENS tokens: a bench run through the
+# page (2026-12-06) left the tree for 31 tokens measured at 0.78x, the same prompt at 1.34x through the API.
+DEMOTE_TURNS, CLEARLY_SLOWER, CLEAR_TOKENS = 3, 0.85, 64
 RIVALS = ("lookahead", "layer_skip", "medusa")  # drafters chosen on their measured speed alone
 RIVAL_RUNS = 4                      # the last answers a rival's measured speedup is the mean of
 PROBE_EVERY = 8                     # measured turns on a lower rung before one turn tries the rung above
@@ -277,7 +278,8 @@ class Tuner:
         self.runs = [*self.runs, turn][-RIVAL_RUNS:]
         mean = sum(t.tokens * t.speedup for t in self.runs) / sum(t.tokens for t in self.runs)
         slow = len(self.runs) >= DEMOTE_TURNS and mean < SLOWER_THAN_PLAIN
-        if (slow or measured < CLEARLY_SLOWER) and self.rung < len(self.rungs) - 1:
+        clearly = measured < CLEARLY_SLOWER and turn.tokens >= CLEAR_TOKENS
+        if (slow or clearly) and self.rung < len(self.rungs) - 1:
             if self._replan(measured):
                 return
             self.demoted = (f"{LABELS[self.rungs[self.rung]]} measured {mean:.2f}x plain over {len(self.runs)} turns"
