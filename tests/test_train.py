@@ -5,6 +5,7 @@ interrupted run resumed from its checkpoint ends exactly where an uninterrupted 
 import json
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.train.loop import TrainConfig, train
-from core.train.data import Batch, DataConfig, FeatureSet, TrainDataError, flattest
+from core.train.data import (Batch, DataConfig, TrainDataError, flattest, load_features, sequence_entropies,
+                             write_shard)
 from core.train.losses import (DraftVocab, LossWeights, ahead, column_index, losses as head_losses, new_head,
                                token_loss, ttt_mask, unroll)
 from models.errors import UnsupportedModelError
@@ -164,16 +166,43 @@ def test_replay_weighs_the_rows_the_heads_chain_reaches_and_gets_wrong(model):
     assert not torch.isclose(plain, total)
 
 
-@pytest.mark.parametrize("chunk", [1 << 20, 3, 1])
-def test_flattest_keeps_the_answers_the_target_is_least_sure_of(chunk, monkeypatch):
+def write_shards(folder: Path, logits: torch.Tensor, split_at: int) -> list[Path]:
+    """Three sequences of 3 tokens (1 prompt token, 2 answer positions each) with the teacher's `logits`
+    (6, K), in two shards: sequences [0, split_at) and [split_at, 3)."""
+    paths = []
+    for n, seqs in enumerate((range(0, split_at), range(split_at, 3))):
+        rows = [r for s in seqs for r in (2 * s, 2 * s + 1)]
+        tensors = {"tokens": torch.tensor([10 * s + t for s in seqs for t in range(3)], dtype=torch.int32),
+                   "lengths": torch.full((len(seqs),), 3), "prompt_lens": torch.ones(len(seqs), dtype=torch.long),
+                   "features": torch.tensor([[s + t / 10] * 4 for s in seqs for t in range(3)]).half(),
+                   "teacher_ids": torch.arange(len(rows) * 3, dtype=torch.int32).view(-1, 3) + 100 * n,
+                   "teacher_logits": logits[rows].half()}
+        paths.append(folder / f"{n}.safetensors")
+        write_shard(paths[-1], tensors, (29,), "test")
+    return paths
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 1])
+@pytest.mark.parametrize("split_at", [1, 2])
+def test_flattest_keeps_the_answers_the_target_is_least_sure_of(chunk, split_at, monkeypatch, tmp_path):
     """Three answers of 2 positions: sharp, uniform and in between; the flattest two are 1 and 2,
-    however the entropies are chunked (3 rows: a chunk ends inside an answer)."""
+    however the entropies are chunked and the sequences sharded."""
     monkeypatch.setattr("core.train.data.ENTROPY_ROWS", chunk)
     logits = torch.tensor([[9.0, 0, 0], [9, 0, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [2, 0, 0]])
-    fs = FeatureSet(tokens=torch.zeros(9, dtype=torch.long), features=torch.zeros(9, 4), starts=torch.tensor([0, 3, 6, 9]),
-                    prompt_lens=torch.ones(3, dtype=torch.long), tstarts=torch.tensor([0, 2, 4, 6]),
-                    teacher_ids=torch.zeros(6, 3, dtype=torch.int32), teacher_logits=logits.half())
-    assert flattest(fs, 2 / 3) == [1, 2] and flattest(fs, 1 / 3) == [1] and flattest(fs, 1.0) == [0, 1, 2]
+    entropy = sequence_entropies(write_shards(tmp_path, logits, split_at))
+    assert flattest(entropy, 2 / 3) == [1, 2] and flattest(entropy, 1 / 3) == [1] and flattest(entropy, 1.0) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("keep", [[0, 2], [1], [1, 2], [0, 1, 2]])
+def test_load_features_of_kept_sequences_equals_the_whole_set_cut(keep, tmp_path):
+    paths = write_shards(tmp_path, torch.randn(6, 3), split_at=2)
+    whole, part = load_features(paths), load_features(paths, keep)
+    tokens = torch.cat([torch.arange(whole.starts[s], whole.starts[s + 1]) for s in keep])
+    teacher = torch.cat([torch.arange(whole.tstarts[s], whole.tstarts[s + 1]) for s in keep])
+    assert torch.equal(part.tokens, whole.tokens[tokens]) and torch.equal(part.features, whole.features[tokens])
+    assert torch.equal(part.teacher_ids, whole.teacher_ids[teacher])
+    assert torch.equal(part.teacher_logits, whole.teacher_logits[teacher])
+    assert torch.equal(part.prompt_lens, whole.prompt_lens[keep]) and torch.equal(part.lengths, whole.lengths[keep])
 
 
 def test_resume_continues_exactly(model, answers, tmp_path):

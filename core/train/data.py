@@ -295,21 +295,43 @@ class FeatureSet:
         return int(self.tstarts[-1])
 
 
-def load_features(paths: list[Path]) -> FeatureSet:
-    """The shards' tensors, each copied into one buffer sized from the shards' headers: reading them
-    whole and concatenating would hold every shard's tensors twice at the peak."""
-    rows: dict[str, int] = {}
+SEQUENCE_KEYS, TEACHER_KEYS = ("lengths", "prompt_lens"), ("teacher_ids", "teacher_logits")  # the rest: one row a token
+
+
+def shard_rows(lengths: torch.Tensor, prompt_lens: torch.Tensor, kept: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Row indices of a shard's `kept` sequences ((S,) bool) in its per-sequence, per-teacher-row
+    and per-token tensors."""
+    def ranges(sizes: torch.Tensor) -> torch.Tensor:
+        starts = sizes.cumsum(0) - sizes
+        return torch.cat([torch.arange(int(a), int(a + n)) for a, n in zip(starts[kept], sizes[kept])] or
+                         [torch.zeros(0, dtype=torch.long)])
+    return {"sequence": kept.nonzero().flatten(), "teacher": ranges(lengths - prompt_lens), "token": ranges(lengths)}
+
+
+def load_features(paths: list[Path], keep: list[int] | None = None) -> FeatureSet:
+    """The shards' sequences, or only those in `keep` (indices over all shards in order), copied into
+    one buffer per tensor sized before any is read: reading whole shards and concatenating would hold
+    every tensor twice at the peak, and with `keep` the rest is never held at all."""
+    plans, first = [], 0
     for p in paths:
         with safe_open(str(p), "pt") as f:
-            for k in f.keys():
-                rows[k] = rows.get(k, 0) + f.get_slice(k).get_shape()[0]
-    cat, filled = {}, dict.fromkeys(rows, 0)
-    for p in paths:
+            lengths, prompt_lens = f.get_tensor("lengths"), f.get_tensor("prompt_lens")
+        kept = torch.ones(len(lengths), dtype=torch.bool)
+        if keep is not None:
+            ids = torch.tensor(keep, dtype=torch.long)
+            kept = torch.zeros(len(lengths), dtype=torch.bool)
+            kept[ids[(ids >= first) & (ids < first + len(lengths))] - first] = True
+        first += len(lengths)
+        plans.append((p, shard_rows(lengths, prompt_lens, kept)))
+    cat, filled = {}, {}
+    for p, rows in plans:
         with safe_open(str(p), "pt") as f:
             for k in f.keys():
-                part = f.get_tensor(k)
+                kind = "sequence" if k in SEQUENCE_KEYS else "teacher" if k in TEACHER_KEYS else "token"
+                part = f.get_tensor(k)[rows[kind]]
                 if k not in cat:
-                    cat[k] = torch.empty((rows[k], *part.shape[1:]), dtype=part.dtype)
+                    total = sum(len(r[kind]) for _, r in plans)
+                    cat[k], filled[k] = torch.empty((total, *part.shape[1:]), dtype=part.dtype), 0
                 cat[k][filled[k]: filled[k] + len(part)] = part
                 filled[k] += len(part)
     lengths, prompt_lens = cat["lengths"], cat["prompt_lens"]
@@ -328,15 +350,26 @@ def row_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def flattest(fs: FeatureSet, share: float) -> list[int]:
-    """The `share` of sequences whose answer positions the target is least sure of: highest mean
-    entropy H = -sum_k p_k log p_k of its top-K next-token distribution (flatness data selection,
-    arXiv 2601.18902), ascending indices. Where the target is sure, the head already agrees."""
-    entropy = torch.cat([row_entropy(part) for part in fs.teacher_logits.split(ENTROPY_ROWS)])  # (M,)
-    sums = torch.cat([torch.zeros(1), entropy.cumsum(0)])[fs.tstarts]    # (S+1,)
-    mean = (sums[1:] - sums[:-1]) / (fs.tstarts[1:] - fs.tstarts[:-1]).clamp(min=1)
-    keep = max(1, round(share * len(fs)))
-    return sorted(torch.argsort(-mean, stable=True)[:keep].tolist())
+def sequence_entropies(paths: list[Path]) -> torch.Tensor:
+    """(S,) each sequence's mean entropy H = -sum_k p_k log p_k of the target's top-K next-token
+    distribution over its answer positions, read shard by shard (teacher logits only)."""
+    means = []
+    for p in paths:
+        with safe_open(str(p), "pt") as f:
+            logits, lengths, prompt_lens = (f.get_tensor(k) for k in ("teacher_logits", "lengths", "prompt_lens"))
+        answers = lengths - prompt_lens                                                       # (S,)
+        entropy = torch.cat([row_entropy(part) for part in logits.split(ENTROPY_ROWS)])        # (M,)
+        sums = torch.cat([torch.zeros(1), entropy.cumsum(0)])[torch.cat([answers.new_zeros(1), answers.cumsum(0)])]
+        means.append((sums[1:] - sums[:-1]) / answers.clamp(min=1))
+    return torch.cat(means)
+
+
+def flattest(mean_entropy: torch.Tensor, share: float) -> list[int]:
+    """The `share` of sequences whose answer positions the target is least sure of (highest mean
+    entropy; flatness data selection, arXiv 2601.18902), ascending indices. Where the target is
+    sure, the head already agrees."""
+    keep = max(1, round(share * len(mean_entropy)))
+    return sorted(torch.argsort(-mean_entropy, stable=True)[:keep].tolist())
 
 
 @dataclass(frozen=True)

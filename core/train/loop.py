@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from core.files import written_whole
 from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, flattest, length_batches,
-                             load_conversations, load_features, make_batch, split)
+                             load_conversations, load_features, make_batch, sequence_entropies, split)
 from core.train.losses import (OBJECTIVES, DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head,
                                start_fc_norm, unroll, warm_start)
 from models.errors import AerieError, UnsupportedModelError
@@ -246,9 +246,7 @@ def fit(trainee: Trainee, trainset: FeatureSet, valset: FeatureSet, cfg: TrainCo
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     rng = torch.Generator().manual_seed(cfg.seed)
     progress = load_checkpoint(out / CHECKPOINT, head, opt, rng, cfg, data_id) if resume else Progress()
-    seqs = flattest(trainset, cfg.flattest) if cfg.flattest else list(range(len(trainset)))
-    plan = [[[seqs[i] for i in b] for b in length_batches(trainset.lengths[seqs], cfg.batch_tokens,
-                                                          torch.Generator().manual_seed(cfg.seed * 1000 + e))]
+    plan = [length_batches(trainset.lengths, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed * 1000 + e))
             for e in range(cfg.epochs)]
     total = sum(map(len, plan))
     save = lambda: save_checkpoint(out / CHECKPOINT, head, opt, rng, progress, cfg, data_id)  # noqa: E731
@@ -321,7 +319,9 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
     val_paths, cap_val = capture(target, val_convs, layers, data, folder, "val")
-    trainset, valset = load_features(train_paths), load_features(val_paths)
+    # --flattest picks its sequences before loading: the rest of the features never reach memory
+    keep = flattest(sequence_entropies(train_paths), cfg.flattest) if cfg.flattest else None
+    trainset, valset = load_features(train_paths, keep), load_features(val_paths)
     rms = float(trainset.features[:100_000].float().pow(2).mean().sqrt())  # feature scale, for the noise
     if gained_norms:
         embedded = target.model.get_input_embeddings()(trainset.tokens[:100_000].to(target.device))
