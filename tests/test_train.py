@@ -15,7 +15,7 @@ from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.train.loop import TrainConfig, train
 from core.train.data import (Batch, DataConfig, TrainDataError, flattest, load_features, sequence_entropies,
-                             write_shard)
+                             training_sets, write_shard)
 from core.train.losses import (DraftVocab, LossWeights, ahead, column_index, losses as head_losses, new_head,
                                token_loss, ttt_mask, unroll)
 from models.errors import UnsupportedModelError
@@ -166,15 +166,16 @@ def test_replay_weighs_the_rows_the_heads_chain_reaches_and_gets_wrong(model):
     assert not torch.isclose(plain, total)
 
 
-def write_shards(folder: Path, logits: torch.Tensor, split_at: int) -> list[Path]:
-    """Three sequences of 3 tokens (1 prompt token, 2 answer positions each) with the teacher's `logits`
-    (6, K), in two shards: sequences [0, split_at) and [split_at, 3)."""
+def write_shards(folder: Path, logits: torch.Tensor, split_at: int, lengths=(3, 3, 3), prompts=(1, 1, 1)) -> list[Path]:
+    """Three sequences (`lengths` tokens, the first `prompts` of them prompt) with the teacher's `logits`
+    (one row per answer position, K), in two shards: sequences [0, split_at) and [split_at, 3)."""
+    starts = [sum(n - p for n, p in zip(lengths[:s], prompts[:s])) for s in range(4)]
     paths = []
     for n, seqs in enumerate((range(0, split_at), range(split_at, 3))):
-        rows = [r for s in seqs for r in (2 * s, 2 * s + 1)]
-        tensors = {"tokens": torch.tensor([10 * s + t for s in seqs for t in range(3)], dtype=torch.int32),
-                   "lengths": torch.full((len(seqs),), 3), "prompt_lens": torch.ones(len(seqs), dtype=torch.long),
-                   "features": torch.tensor([[s + t / 10] * 4 for s in seqs for t in range(3)]).half(),
+        rows = [r for s in seqs for r in range(starts[s], starts[s + 1])]
+        tensors = {"tokens": torch.tensor([10 * s + t for s in seqs for t in range(lengths[s])], dtype=torch.int32),
+                   "lengths": torch.tensor([lengths[s] for s in seqs]), "prompt_lens": torch.tensor([prompts[s] for s in seqs]),
+                   "features": torch.tensor([[s + t / 10] * 4 for s in seqs for t in range(lengths[s])]).half(),
                    "teacher_ids": torch.arange(len(rows) * 3, dtype=torch.int32).view(-1, 3) + 100 * n,
                    "teacher_logits": logits[rows].half()}
         paths.append(folder / f"{n}.safetensors")
@@ -193,9 +194,19 @@ def test_flattest_keeps_the_answers_the_target_is_least_sure_of(chunk, split_at,
     assert flattest(entropy, 2 / 3) == [1, 2] and flattest(entropy, 1 / 3) == [1] and flattest(entropy, 1.0) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("keep", [[0, 2], [1], [1, 2], [0, 1, 2]])
+def test_training_sets_hold_only_the_flattest_training_sequences(tmp_path):
+    """What both trainers (EAGLE, Medusa) load with --flattest: the train set cut, the val set whole."""
+    logits = torch.tensor([[9.0, 0, 0], [9, 0, 0], [0, 0, 0], [0, 0, 0], [1, 0, 0], [2, 0, 0]])
+    paths = write_shards(tmp_path, logits, split_at=1)
+    (train, val), whole = training_sets(paths, paths, 2 / 3), load_features(paths)
+    assert len(val) == 3 and torch.equal(train.tokens, whole.tokens[3:])   # sequences 1 and 2
+    assert training_sets(paths, paths, None)[0].answer_tokens == 6
+
+
+@pytest.mark.parametrize("keep", [[0, 2], [1], [2], [1, 2], [0, 1, 2]])
 def test_load_features_of_kept_sequences_equals_the_whole_set_cut(keep, tmp_path):
-    paths = write_shards(tmp_path, torch.randn(6, 3), split_at=2)
+    """Sequences of 3, 2 and 4 tokens, the second all prompt (no answer position); a shard may keep none."""
+    paths = write_shards(tmp_path, torch.randn(5, 3), split_at=2, lengths=(3, 2, 4), prompts=(1, 2, 1))
     whole, part = load_features(paths), load_features(paths, keep)
     tokens = torch.cat([torch.arange(whole.starts[s], whole.starts[s + 1]) for s in keep])
     teacher = torch.cat([torch.arange(whole.tstarts[s], whole.tstarts[s + 1]) for s in keep])
@@ -203,6 +214,13 @@ def test_load_features_of_kept_sequences_equals_the_whole_set_cut(keep, tmp_path
     assert torch.equal(part.teacher_ids, whole.teacher_ids[teacher])
     assert torch.equal(part.teacher_logits, whole.teacher_logits[teacher])
     assert torch.equal(part.prompt_lens, whole.prompt_lens[keep]) and torch.equal(part.lengths, whole.lengths[keep])
+    assert torch.equal(part.tstarts[-1], torch.tensor(len(teacher)))
+
+
+@pytest.mark.parametrize("keep", [[], [2, 1], [1, 1], [3], [-1, 0]])
+def test_load_features_refuses_a_selection_it_would_not_load_as_asked(keep, tmp_path):
+    with pytest.raises(TrainDataError, match="sorted, unique"):
+        load_features(write_shards(tmp_path, torch.randn(6, 3), split_at=1), keep)
 
 
 def test_resume_continues_exactly(model, answers, tmp_path):

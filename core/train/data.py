@@ -295,12 +295,16 @@ class FeatureSet:
         return int(self.tstarts[-1])
 
 
-SEQUENCE_KEYS, TEACHER_KEYS = ("lengths", "prompt_lens"), ("teacher_ids", "teacher_logits")  # the rest: one row a token
+# A shard's tensors by what a row is: a sequence, an answer position (a teacher row) or a token.
+ROW_KINDS = {"lengths": "sequence", "prompt_lens": "sequence", "teacher_ids": "teacher", "teacher_logits": "teacher",
+             "tokens": "token", "features": "token"}
 
 
-def shard_rows(lengths: torch.Tensor, prompt_lens: torch.Tensor, kept: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Row indices of a shard's `kept` sequences ((S,) bool) in its per-sequence, per-teacher-row
-    and per-token tensors."""
+def shard_rows(lengths: torch.Tensor, prompt_lens: torch.Tensor, kept: torch.Tensor) -> dict[str, torch.Tensor | slice]:
+    """Row indices, by ROW_KINDS' kind, of a shard's `kept` sequences ((S,) bool); all rows as a slice."""
+    if bool(kept.all()):
+        return dict.fromkeys(("sequence", "teacher", "token"), slice(None))
+
     def ranges(sizes: torch.Tensor) -> torch.Tensor:
         starts = sizes.cumsum(0) - sizes
         return torch.cat([torch.arange(int(a), int(a + n)) for a, n in zip(starts[kept], sizes[kept])] or
@@ -308,30 +312,40 @@ def shard_rows(lengths: torch.Tensor, prompt_lens: torch.Tensor, kept: torch.Ten
     return {"sequence": kept.nonzero().flatten(), "teacher": ranges(lengths - prompt_lens), "token": ranges(lengths)}
 
 
+def kept_mask(keep: list[int] | None, total: int) -> torch.Tensor:
+    """(total,) bool of the sequences `keep` names: sorted, unique, in range and not empty, as
+    `flattest` gives them (anything else would load another set than the one asked for)."""
+    if keep is None:
+        return torch.ones(total, dtype=torch.bool)
+    if not keep or keep != sorted(set(keep)) or keep[0] < 0 or keep[-1] >= total:
+        raise TrainDataError(f"sequences to load must be sorted, unique and in [0, {total}): {keep[:5]}...")
+    mask = torch.zeros(total, dtype=torch.bool)
+    mask[torch.tensor(keep)] = True
+    return mask
+
+
 def load_features(paths: list[Path], keep: list[int] | None = None) -> FeatureSet:
     """The shards' sequences, or only those in `keep` (indices over all shards in order), copied into
     one buffer per tensor sized before any is read: reading whole shards and concatenating would hold
-    every tensor twice at the peak, and with `keep` the rest is never held at all."""
-    plans, first = [], 0
+    every tensor twice at the peak; with `keep`, each shard is cut as it is read, so the others'
+    rows are held one shard at a time."""
+    sizes = []
     for p in paths:
         with safe_open(str(p), "pt") as f:
-            lengths, prompt_lens = f.get_tensor("lengths"), f.get_tensor("prompt_lens")
-        kept = torch.ones(len(lengths), dtype=torch.bool)
-        if keep is not None:
-            ids = torch.tensor(keep, dtype=torch.long)
-            kept = torch.zeros(len(lengths), dtype=torch.bool)
-            kept[ids[(ids >= first) & (ids < first + len(lengths))] - first] = True
-        first += len(lengths)
-        plans.append((p, shard_rows(lengths, prompt_lens, kept)))
+            sizes.append((f.get_tensor("lengths"), f.get_tensor("prompt_lens")))
+    lengths, prompt_lens = (torch.cat(t) for t in zip(*sizes))                               # (S,) over all shards
+    mask = kept_mask(keep, len(lengths))
+    totals = {"sequence": int(mask.sum()), "teacher": int((lengths - prompt_lens)[mask].sum()),
+              "token": int(lengths[mask].sum())}
+    kept = mask.split([len(n) for n, _ in sizes])
+    plans = [shard_rows(n, prompts, k) for (n, prompts), k in zip(sizes, kept)]
     cat, filled = {}, {}
-    for p, rows in plans:
+    for p, rows in zip(paths, plans):
         with safe_open(str(p), "pt") as f:
             for k in f.keys():
-                kind = "sequence" if k in SEQUENCE_KEYS else "teacher" if k in TEACHER_KEYS else "token"
-                part = f.get_tensor(k)[rows[kind]]
+                part = f.get_tensor(k)[rows[ROW_KINDS[k]]]
                 if k not in cat:
-                    total = sum(len(r[kind]) for _, r in plans)
-                    cat[k], filled[k] = torch.empty((total, *part.shape[1:]), dtype=part.dtype), 0
+                    cat[k], filled[k] = torch.empty((totals[ROW_KINDS[k]], *part.shape[1:]), dtype=part.dtype), 0
                 cat[k][filled[k]: filled[k] + len(part)] = part
                 filled[k] += len(part)
     lengths, prompt_lens = cat["lengths"], cat["prompt_lens"]
@@ -359,7 +373,9 @@ def sequence_entropies(paths: list[Path]) -> torch.Tensor:
             logits, lengths, prompt_lens = (f.get_tensor(k) for k in ("teacher_logits", "lengths", "prompt_lens"))
         answers = lengths - prompt_lens                                                       # (S,)
         entropy = torch.cat([row_entropy(part) for part in logits.split(ENTROPY_ROWS)])        # (M,)
-        sums = torch.cat([torch.zeros(1), entropy.cumsum(0)])[torch.cat([answers.new_zeros(1), answers.cumsum(0)])]
+        # a sequence's sum of entropies: the difference of the running sum at its first and last rows
+        bounds = torch.cat([answers.new_zeros(1), answers.cumsum(0)])                         # (S+1,)
+        sums = torch.cat([torch.zeros(1), entropy.cumsum(0)])[bounds]
         means.append((sums[1:] - sums[:-1]) / answers.clamp(min=1))
     return torch.cat(means)
 
@@ -370,6 +386,13 @@ def flattest(mean_entropy: torch.Tensor, share: float) -> list[int]:
     sure, the head already agrees."""
     keep = max(1, round(share * len(mean_entropy)))
     return sorted(torch.argsort(-mean_entropy, stable=True)[:keep].tolist())
+
+
+def training_sets(train_paths: list[Path], val_paths: list[Path], flattest_share: float | None) -> tuple[FeatureSet, FeatureSet]:
+    """The train and validation sets; with `flattest_share` (--flattest) the train set holds only
+    its flattest sequences, chosen before loading, so the rest of the features never fill memory."""
+    keep = flattest(sequence_entropies(train_paths), flattest_share) if flattest_share else None
+    return load_features(train_paths, keep), load_features(val_paths)
 
 
 @dataclass(frozen=True)

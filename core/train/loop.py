@@ -25,8 +25,8 @@ from torch import nn
 from tqdm import tqdm
 
 from core.files import written_whole
-from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, flattest, length_batches,
-                             load_conversations, load_features, make_batch, sequence_entropies, split)
+from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches,
+                             load_conversations, make_batch, split, training_sets)
 from core.train.losses import (OBJECTIVES, DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head,
                                start_fc_norm, unroll, warm_start)
 from models.errors import AerieError, UnsupportedModelError
@@ -319,9 +319,7 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
     val_paths, cap_val = capture(target, val_convs, layers, data, folder, "val")
-    # --flattest picks its sequences before loading: the rest of the features never reach memory
-    keep = flattest(sequence_entropies(train_paths), cfg.flattest) if cfg.flattest else None
-    trainset, valset = load_features(train_paths, keep), load_features(val_paths)
+    trainset, valset = training_sets(train_paths, val_paths, cfg.flattest)
     rms = float(trainset.features[:100_000].float().pow(2).mean().sqrt())  # feature scale, for the noise
     if gained_norms:
         embedded = target.model.get_input_embeddings()(trainset.tokens[:100_000].to(target.device))
@@ -366,7 +364,7 @@ def conversations(target: Target, data: DataConfig) -> tuple[list, list, int]:
 def run_numbers(trainset, valset, cap_train: dict, cap_val: dict, progress) -> dict:
     """What train.json records of the data, the feature capture and the optimisation."""
     cap_pos, cap_s = cap_train["positions"] + cap_val["positions"], cap_train["seconds"] + cap_val["seconds"]
-    return {"train_answer_tokens": trainset.answer_tokens, "val_answer_tokens": valset.answer_tokens,
+    return {"train_sequences": len(trainset), "train_answer_tokens": trainset.answer_tokens, "val_answer_tokens": valset.answer_tokens,
             "capture_positions": cap_pos, "capture_s": round(cap_s, 1),
             "capture_pos_per_s": round(cap_pos / cap_s, 1) if cap_pos else None, "epochs": progress.epoch,
             "steps": progress.step, "train_positions": progress.positions, "train_s": round(progress.seconds, 1),

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from core.train.data import Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, load_features, make_batch
+from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches, make_batch,
+                             training_sets)
 from core.train.loop import Run, TrainConfig, Trainee, autocast, conversations, fit, new_run, run_numbers, start_run
 from core.train.losses import DraftVocab, EAGLE1_DRAFT_VOCAB, ahead, frequent_vocab, teacher_loss, weighted_mean
 from models.head_checkpoint import load_draft_vocab
@@ -110,7 +111,7 @@ def train_medusa(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, 
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
     val_paths, cap_val = capture(target, val_convs, layers, data, folder, "val")
-    trainset, valset = load_features(train_paths), load_features(val_paths)
+    trainset, valset = training_sets(train_paths, val_paths, cfg.flattest)
     run = new_run(target, cfg, 0.0, vocab)
     base = str(model.config.name_or_path)
     trainee = medusa_trainee(heads, vocab, projection, cfg, run, base)
