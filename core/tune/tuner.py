@@ -9,8 +9,8 @@ included) measured slower than plain, and its turns there move no rung. A rung i
 (tokens per second of engine time in the rounds after the prefill, times plain decoding's time
 per token: see `Meter`), averaged over its last answers (at least `DEMOTE_TURNS`, at most
 `RIVAL_RUNS`, weighed by their tokens), is below plain decoding's; at once when one answer measures
-it clearly slower (below `CLEARLY_SLOWER`, over `CLEAR_TOKENS` or more); or when the model predicts the EAGLE rung cannot beat
-plain decoding; but a slow turn whose shape the acceptance it taught
+it clearly slower (below `CLEARLY_SLOWER`, over `CLEAR_TOKENS` or more); or when the model predicts
+the EAGLE rung cannot beat plain decoding; but a slow turn whose shape the acceptance it taught
 no longer picks first re-plans the rung (`_replan`, once per visit). The user's pins (strategy, depth, top_k, total_tokens, a
 static tree) are never overridden.
 
