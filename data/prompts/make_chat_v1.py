@@ -11,6 +11,7 @@ its content words with any MT-bench turn is dropped.
 import json
 import random
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -128,25 +129,48 @@ def candidates(kind: str, rng: random.Random, texts: list[str]):
             yield f"{rng.choice(EXTRACT)}\n\n{texts.pop()}"
 
 
-def main() -> None:
-    rng = random.Random(1234)
-    bench = [words(t) for line in (SHARED / "bench" / "mt_bench.jsonl").read_text().split("\n") if line.strip()
-             for t in json.loads(line)["turns"]]
-    texts, seen, rows = passages(rng), set(), []
-    for kind, count in COUNTS.items():
+def bench_turns() -> list[str]:
+    """Every turn of the MT-bench questions the prompts must not resemble."""
+    return [t for line in (SHARED / "bench" / "mt_bench.jsonl").read_text().split("\n") if line.strip()
+            for t in json.loads(line)["turns"]]
+
+
+def shares_words(prompt: str, bench: list[set[str]]) -> bool:
+    """Whether `prompt` shares half its content words with a turn (`bench`: each turn's words)."""
+    w = words(prompt)
+    return any(len(w & b) >= 0.5 * max(len(w), 1) for b in bench)
+
+
+def draw(counts: dict[str, int], make: Callable[[str], Iterator[str]], source: str,
+         rejected: Callable[[str], bool]) -> list[dict]:
+    """counts[kind] distinct prompts of each kind from `make(kind)`'s candidates, none `rejected`
+    (fewer where the candidates run out), as rows {"source": f"{source}:{kind}", "prompt"}."""
+    seen, rows = set(), []
+    for kind, count in counts.items():
         made = 0
-        for prompt in candidates(kind, rng, texts):
-            w = words(prompt)
-            if prompt in seen or any(len(w & b) >= 0.5 * max(len(w), 1) for b in bench):
+        for prompt in make(kind):
+            if prompt in seen or rejected(prompt):
                 continue
             seen.add(prompt)
-            rows.append({"source": f"aerie-chat-v1:{kind}", "prompt": prompt})
+            rows.append({"source": f"{source}:{kind}", "prompt": prompt})
             made += 1
             if made == count:
                 break
+    return rows
+
+
+def write_prompts(rows: list[dict], rng: random.Random, path: Path) -> None:
     rng.shuffle(rows)
-    (HERE / "chat_v1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"{len(rows)} prompts -> {HERE / 'chat_v1.jsonl'}")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"{len(rows)} prompts -> {path}")
+
+
+def main() -> None:
+    rng = random.Random(1234)
+    bench = [words(t) for t in bench_turns()]
+    texts = passages(rng)
+    rows = draw(COUNTS, lambda kind: candidates(kind, rng, texts), "aerie-chat-v1", lambda p: shares_words(p, bench))
+    write_prompts(rows, rng, HERE / "chat_v1.jsonl")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ no topic or template is taken from MT-bench's questions.
     .venv/bin/python data/prompts/make_chat_v2.py   # -> data/prompts/chat_v2.jsonl (needs the tokenizer)
 """
 
-import json
 import random
 import re
 import sys
@@ -23,7 +22,8 @@ sys.path.insert(0, str(HERE.parents[1]))   # the repo root: core/ and models/
 
 from cli import default_cache_dir  # noqa: E402
 from core.train.answers import read_answers, read_manifest  # noqa: E402
-from data.prompts.make_chat_v1 import HUMANITIES, STEM, SHARED, words  # noqa: E402
+from data.prompts.make_chat_v1 import (HUMANITIES, STEM, bench_turns, draw, shares_words, words,  # noqa: E402
+                                      write_prompts)
 from data.prompts.make_chat_v1 import passages as t0_passages  # noqa: E402
 
 COUNTS = {"extraction": 1500, "humanities": 1400, "stem": 500}
@@ -133,26 +133,13 @@ def candidates(kind: str, rng: random.Random, texts: list[str]) -> Iterator[str]
 
 def main() -> None:
     rng = random.Random(2345)
-    turns = [t for line in (SHARED / "bench" / "mt_bench.jsonl").read_text().split("\n") if line.strip()
-             for t in json.loads(line)["turns"]]
+    turns = bench_turns()
     bench, bench_grams = [words(t) for t in turns], set().union(*map(grams, turns))
-    texts, seen, rows = passages(), set(), []
+    texts = passages()
     print(f"{len(texts)} passages from {STORE.name}")
-    for kind, count in COUNTS.items():
-        made = 0
-        for prompt in candidates(kind, rng, texts):
-            w = words(prompt)
-            if (prompt in seen or grams(prompt) & bench_grams
-                    or any(len(w & b) >= 0.5 * max(len(w), 1) for b in bench)):
-                continue
-            seen.add(prompt)
-            rows.append({"source": f"aerie-chat-v2:{kind}", "prompt": prompt})
-            made += 1
-            if made == count:
-                break
-    rng.shuffle(rows)
-    (HERE / "chat_v2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"{len(rows)} prompts -> {HERE / 'chat_v2.jsonl'}")
+    rows = draw(COUNTS, lambda kind: candidates(kind, rng, texts), "aerie-chat-v2",
+                lambda p: bool(grams(p) & bench_grams) or shares_words(p, bench))
+    write_prompts(rows, rng, HERE / "chat_v2.jsonl")
 
 
 if __name__ == "__main__":
