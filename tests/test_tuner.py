@@ -280,6 +280,25 @@ def test_a_lost_probe_keeps_the_rung_and_probes_again_later():
     assert t.plan(100).rung == "prompt_lookup"
 
 
+def test_a_probe_is_judged_over_clear_tokens():
+    """One short answer measured fast is noise, as one measured slow is: the probe runs on until it
+    has decoded CLEAR_TOKENS tokens, then its token-weighted mean decides."""
+    t = live_tuner()
+    turn(t, 0.8)                                 # on the chain now
+    for _ in range(PROBE_EVERY):
+        turn(t, 1.2)
+    assert turn(t, 1.5, tokens=32) == "tree"     # fast, but too short alone: still probing
+    assert turn(t, 0.7, tokens=32) == "tree"     # 64 tokens at a mean of 1.10x: 0.7 * 32 + 1.5 * 32 over 64
+    assert t.plan(100).rung == "tree" and "probed at 1.10x plain: back up" in t.plan(100).reason
+    t = live_tuner()
+    turn(t, 0.8)
+    for _ in range(PROBE_EVERY):
+        turn(t, 1.2)
+    assert turn(t, 1.3, tokens=20) == "tree"
+    assert turn(t, 0.8, tokens=60) == "tree"     # 80 tokens at 0.93x: lost
+    assert t.plan(100).rung == "chain"
+
+
 def test_a_lost_probe_does_not_demote_the_rung_below():
     t = live_tuner()
     turn(t, 0.8)                                 # on the chain now
