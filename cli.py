@@ -58,7 +58,8 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
                        "whose first run measures which layers to skip, about a minute on 2 cores)")
         p.add_argument("--compare-default-tree", action="store_true",
                        help="add eagle_default_tree: EAGLE's published default (60 tokens, depth 6, top_k 10) beside the tuned eagle")
-        p.add_argument("--trees", help="add fixed EAGLE shapes, e.g. '0,4,5 2,4,12' (depth,top_k,total_tokens each): a grid in one run")
+        p.add_argument("--trees", help="add fixed EAGLE shapes, e.g. '0,4,5 2,4,12' (depth,top_k,total_tokens each, and optionally a "
+                            "copy round's length: '0,1,2,0' drafts with the head alone): a grid in one run")
         p.add_argument("--verify-delay-ms", type=float, default=0.0, metavar="MS",
                        help="simulate a slow (offloaded) target: every target prefill and verify waits MS more, the same for "
                        "any tree size, plain decoding's included; the tuner then plans SpecExec's big best-first trees "

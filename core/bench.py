@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from core.text import render_prompt
-from core.config import SamplingConfig, TreeConfig
+from core.config import COPY_TOKENS, SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.service.drafters import layer_skip_drafter, make_drafter
 from core.service.factory import load_tuned, target_load_spec
@@ -142,18 +142,22 @@ def run_engine(engine: Engine, ids: list[int], max_new: int, tuner: Tuner | None
 def shape_name(tree: TreeConfig) -> str:
     if tree.best_first:  # SpecExec's: n tokens, b nodes per head step, at most d head steps
         return f"best_first_n{tree.total_tokens}b{tree.top_k}d{tree.depth}"
-    return "mc_sim_7b_63" if tree.choices else f"d{tree.depth}k{tree.top_k}n{tree.total_tokens}"
+    copy = f"c{tree.copy}" if tree.copy != COPY_TOKENS else ""   # copy rounds other than the default's
+    return "mc_sim_7b_63" if tree.choices else f"d{tree.depth}k{tree.top_k}n{tree.total_tokens}{copy}"
 
 
 def parse_trees(text: str | None) -> dict[str, TreeConfig]:
-    """'0,4,5 2,4,12' -> {'eagle_d0k4n5': TreeConfig(0, 4, 5), ...} (depth, top_k, total_tokens)."""
+    """'0,4,5 2,4,12 0,1,2,0' -> {'eagle_d0k4n5': TreeConfig(0, 4, 5), ..., 'eagle_d0k1n2c0': TreeConfig(0, 1, 2,
+    copy=0)}: depth, top_k, total_tokens and optionally a copy round's length (TreeConfig.copy; 0: none)."""
     trees = {}
     for item in (text or "").split():
         try:
-            depth, top_k, total = (int(v) for v in item.split(","))
-            tree = TreeConfig(depth, top_k, total)
+            values = [int(v) for v in item.split(",")]
+            if len(values) not in (3, 4):
+                raise ValueError(f"{len(values)} numbers")
+            tree = TreeConfig(*values[:3], copy=values[3] if len(values) == 4 else COPY_TOKENS)
         except ValueError as e:
-            raise ValueError(f"--trees takes depth,top_k,total_tokens triples like '0,4,5'; got '{item}' ({e}).") from e
+            raise ValueError(f"--trees takes depth,top_k,total_tokens[,copy] like '0,4,5' or '0,1,2,0'; got '{item}' ({e}).") from e
         trees[f"eagle_{shape_name(tree)}"] = tree
     return trees
 

@@ -43,6 +43,7 @@ class StepResult:
     offers: tuple[tuple[int, int], ...] = ()  # (children, accepted rank) along the path: verify.path_offers
     near_ties: tuple[int, ...] = ()  # greedy: offsets into new_ids chosen by a top-2 margin < runner.tie_margin
     reference: bool = False     # a plain round among drafted ones, timed as plain decoding's cost (`reference_round`)
+    copied: bool = False        # a copy round (TreeConfig.copy): drafted by prompt lookup, no head step
 
 
 class Drafter(Protocol):
@@ -185,10 +186,10 @@ class Engine:
         t3 = time.perf_counter()
         result = StepResult(new_ids=tuple(acceptance.new_tokens), accepted=acceptance.accepted, drafted=tree.max_depth,
                             tree_size=draft.rows, draft_s=t1 - t0, verify_s=t2 - t1, commit_s=t3 - t2,
-                            offers=path_offers(tree, acceptance, draft.ranking),
+                            offers=() if draft.copied else path_offers(tree, acceptance, draft.ranking),
                             near_ties=self.near_ties(None if acceptance.margins is None
                                                      else acceptance.margins[acceptance.nodes], sampling),
-                            reference=reference)
+                            reference=reference, copied=draft.copied)
         new = kept(fresh, acceptance.nodes)
         return Round(result, joined(verified, new) if reference else new)
 

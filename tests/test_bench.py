@@ -98,9 +98,11 @@ def test_bench_serve_asks_a_live_server_for_the_same_answers(tiny_dir, cache_dir
 
 def test_parse_trees():
     from core.bench import parse_trees
-    assert parse_trees("0,4,5 2,3,8") == {"eagle_d0k4n5": TreeConfig(0, 4, 5), "eagle_d2k3n8": TreeConfig(2, 3, 8)}
-    with pytest.raises(ValueError, match="triples"):
-        parse_trees("0,4")
+    assert parse_trees("0,4,5 2,3,8 0,1,2,0") == {"eagle_d0k4n5": TreeConfig(0, 4, 5), "eagle_d2k3n8": TreeConfig(2, 3, 8),
+                                                  "eagle_d0k1n2c0": TreeConfig(0, 1, 2, copy=0)}
+    for bad in ("0,4", "0,1,2,3,4", "0,1,2,-1"):
+        with pytest.raises(ValueError, match="depth,top_k,total_tokens"):
+            parse_trees(bad)
 
 
 def test_limit_picks_round_robin_across_categories(tmp_path):

@@ -25,7 +25,7 @@ def test_random_heads_are_lossless(kind, draft_vocab, shape):
     engine = Engine(tiny_target(model), drafter)
     steps = list(engine.generate(prompt, SamplingConfig(max_new_tokens=30)))
     assert [t for s in steps for t in s.new_ids] == plain
-    most = 1 + len(shape.choices) if shape.choices else shape.total_tokens
+    most = 1 + len(shape.choices) if shape.choices else max(shape.total_tokens, shape.copy + 1)  # a copy round's chain
     assert all(s.tree_size <= most for s in steps[1:])
     if shape.choices:
         assert all(s.tree_size == most for s in steps[1:])
@@ -58,6 +58,38 @@ def test_reference_rounds_run_plainly_and_keep_the_head_in_step():
         assert all(s.tree_size == 1 and s.drafted == 0 and len(s.new_ids) == 1 for s in rounds if s.reference)
         assert all(s.tree_size > 1 for s in rounds[:2])
         turn = turn + answer + [3]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(max_new_tokens=40),
+                                      SamplingConfig(temperature=0.3, seed=3, max_new_tokens=40)])
+def test_copy_rounds_are_lossless_and_keep_the_head_in_step(sampling):
+    """Where the context repeats itself, copy rounds verify prompt lookup's chain with no head step
+    (and teach the tuner nothing); the head catches up on what they committed, across turns and
+    reference rounds, and the text is plain decoding's (sampled: the same seed's again)."""
+    model = tiny_llama(seed=3, layers=4)
+
+    def chat(copy: int) -> list[tuple[list[int], list]]:
+        """Two turns on one engine: each turn's prompt and its steps."""
+        drafter = EagleDrafter(random_head(model, "eagle1", 5), 4, TreeConfig(1, 2, 4, copy=copy))
+        engine, turn, turns = Engine(tiny_target(model), drafter), [5, 6, 7, 8, 9] * 4, []
+        for _ in range(2):
+            steps = list(engine.generate(turn, sampling, reference_every=4))
+            assert drafter.head_len <= len(engine.cached_ids) == engine.runner.length
+            turns.append((turn, steps))
+            turn = turn + [t for s in steps for t in s.new_ids] + [5, 6, 7]
+        return turns
+
+    def text(steps) -> list[int]:
+        return [t for s in steps for t in s.new_ids]
+
+    copying = chat(3)
+    copies = [s for _, steps in copying for s in steps[1:] if s.copied]
+    assert copies and all(s.tree_size <= 4 and s.offers == () and not s.reference for s in copies)
+    for prompt, steps in copying if sampling.greedy else ():
+        assert text(steps) == run(Engine(tiny_target(model)), prompt, sampling)
+    if not sampling.greedy:
+        assert [text(steps) for _, steps in copying] == [text(steps) for _, steps in chat(3)]
+    assert not any(s.copied for _, steps in chat(0) for s in steps)
 
 
 def test_sampled_eagle_is_reproducible():

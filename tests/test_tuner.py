@@ -427,7 +427,7 @@ def test_plan_reason_is_one_line_with_the_numbers():
 
 
 def test_meter_rescales_plain_time_by_the_measured_load():
-    step = SimpleNamespace(tree_size=8, new_ids=(1, 2, 3), draft_s=0.004, verify_s=0.0, commit_s=0.001, reference=False)
+    step = SimpleNamespace(tree_size=8, new_ids=(1, 2, 3), draft_s=0.004, verify_s=0.0, commit_s=0.001, reference=False, copied=False)
     calm, busy = Meter(CPU, "eagle", 100), Meter(CPU, "eagle", 100)
     calm.add(SimpleNamespace(**{**vars(step), "verify_s": CPU.round(8, 100) / 1000 - 0.001}))
     busy.add(SimpleNamespace(**{**vars(step), "verify_s": 2 * CPU.round(8, 100) / 1000 - 0.001}))
@@ -445,9 +445,9 @@ def test_meter_times_plain_decoding_in_the_answers_reference_rounds():
     profile says (their median); the first (after a drafted round) is not timed, and neither
     teaches drafts."""
     tree = TreeConfig(depth=0, top_k=1, total_tokens=2)
-    drafted = SimpleNamespace(tree_size=2, new_ids=(1, 2), draft_s=0.001, verify_s=0.012, commit_s=0.0005, reference=False)
+    drafted = SimpleNamespace(tree_size=2, new_ids=(1, 2), draft_s=0.001, verify_s=0.012, commit_s=0.0005, reference=False, copied=False)
     def plain(verify_s):
-        return SimpleNamespace(tree_size=1, new_ids=(3,), draft_s=0.0, verify_s=verify_s, commit_s=0.0005, reference=True)
+        return SimpleNamespace(tree_size=1, new_ids=(3,), draft_s=0.0, verify_s=verify_s, commit_s=0.0005, reference=True, copied=False)
     meter = Meter(CPU, "eagle", 100, tree=tree)
     pairs = [(0.030, 0.0095), (0.030, 0.0115), (0.030, 0.0495)]   # the last timed in a burst of load
     for first, second in pairs:
@@ -463,9 +463,24 @@ def test_meter_times_plain_decoding_in_the_answers_reference_rounds():
     assert not unreferenced.reference_ms and unreferenced.plain_ms == pytest.approx(CPU.plain_ms(101) * unreferenced.load)
 
 
+def test_a_copy_round_is_not_a_draft_of_the_tree():
+    """A copy round (TreeConfig.copy) ran no head step: it counts for the speedup, not as a draft
+    the profile's estimate for the tree is checked against."""
+    tree = TreeConfig(depth=0, top_k=1, total_tokens=2)
+    drafted = SimpleNamespace(tree_size=2, new_ids=(1, 2), draft_s=0.001, verify_s=0.012, commit_s=0.0005,
+                              reference=False, copied=False)
+    copied = SimpleNamespace(tree_size=4, new_ids=(1, 2, 3), draft_s=0.0001, verify_s=0.014, commit_s=0.0005,
+                             reference=False, copied=True)
+    meter = Meter(CPU, "eagle", 100, tree=tree)
+    for step in (drafted, copied, drafted):
+        meter.add(step)
+    turn = meter.turn()
+    assert turn.drafts == 2 and turn.draft_s == pytest.approx(0.002) and turn.tokens == 7
+
+
 def test_meter_times_drafts_against_the_profile():
     tree = TreeConfig(depth=2, top_k=4, total_tokens=10)
-    step = SimpleNamespace(tree_size=10, new_ids=(1, 2, 3), draft_s=0.05, verify_s=0.02, commit_s=0.001, reference=False)
+    step = SimpleNamespace(tree_size=10, new_ids=(1, 2, 3), draft_s=0.05, verify_s=0.02, commit_s=0.001, reference=False, copied=False)
     eagle, plain = Meter(GPU, "eagle", 100, tree=tree), Meter(GPU, "plain", 100)
     for _ in range(2):
         eagle.add(step)

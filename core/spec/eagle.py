@@ -15,6 +15,12 @@ One round of drafting (eagle.md 4.1), with H the head's hidden size and Vd its v
 With `best_first` (a slow target), steps 2-3 are SpecExec's instead: up to `depth` head steps, each
 feeding the top_k best unexpanded nodes of the pool's best total_tokens - 1 (core/spec/specexec.py).
 
+A copy round (TreeConfig.copy) replaces all three where the context's last 2-3 tokens appeared
+earlier in it: the chain of what followed them then (prompt lookup), with no head step. A 135M
+model's answers quote their prompt and repeat themselves, and there a copied chain of 3 is accepted
+~1.6 tokens a round against the head's one-token draft's ~0.56. The head catches up on the skipped
+pairs in the next round's one step.
+
 It knows nothing about text; it sees token ids, target features and the head.
 """
 
@@ -26,6 +32,7 @@ from core.config import PLANNED_CONTEXT
 from core.config import TreeConfig
 from core.runtime.head_step import HeadStep
 from core.runtime.memory import storage, tensor_bytes
+from core.spec.drafters import LookupConfig, PromptLookupDrafter
 from core.spec.specexec import BRANCH, HeadFeed, grow_best_first
 from core.spec.tree import Draft, DraftTree, Pool, chain_tree, make_tree, rerank, static_shape
 from models.cpu_quant import quantize_cpu, quantized
@@ -53,6 +60,8 @@ class EagleDrafter:
         self.feature_layers = head.feature_layers(num_target_layers)
         self.step = HeadStep(head, self.log_probs, context)  # eager until graphs are adopted
         self.head_len = 0   # pairs (feature t, token t+1) for t < head_len are in the head cache
+        self.unseen: torch.Tensor | None = None   # (K, F) features of committed tokens a copy round skipped
+        self.lookup = PromptLookupDrafter(LookupConfig(branches=1))
         self.reshape(tree)
 
     def shrink(self, quant: str) -> None:
@@ -78,6 +87,7 @@ class EagleDrafter:
         compiled graphs), for engines that take turns on one runner, as the bench's do: each starts
         its chat afresh, so the shared cache holds only the running one's pairs."""
         twin = copy.copy(self)
+        twin.lookup = PromptLookupDrafter(twin.lookup.cfg)   # its own index of its own chat
         twin.reshape(tree)
         twin.rewind(0)
         return twin
@@ -86,6 +96,8 @@ class EagleDrafter:
         # Pair t needs tokens 0..t+1 unchanged, so pairs t < common - 1 survive. The target must
         # re-encode from there on: the head needs its features for the pairs it lost.
         self.head_len = min(self.head_len, max(common - 1, 0))
+        self.unseen = None   # the target re-encodes from head_len on: its features come fresh
+        self.lookup.rewind(common)
         return self.head_len
 
     @property
@@ -105,9 +117,14 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def draft(self, context: list[int], fresh) -> Draft:
-        k = fresh.features.shape[0]
+        features = fresh.features if self.unseen is None else torch.cat([self.unseen, fresh.features])  # (K, F)
+        k = features.shape[0]
         assert self.head_len == len(context) - 1 - k, (self.head_len, len(context), k)
-        last, last_logp = self.catch_up(fresh.features, context[-k:])   # (H,), (Vd,)
+        copied = self.copy_round(context, features)
+        if copied is not None:
+            return copied
+        self.unseen = None
+        last, last_logp = self.catch_up(features, context[-k:])   # (H,), (Vd,)
         if self.static is None:  # drafted nodes stay past head_len: the next round writes over them
             # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
             # each rank, including ranks this round's tree left out (path_offers).
@@ -115,6 +132,22 @@ class EagleDrafter:
             tree = self.grow(context[-1], last, last_logp)
             return Draft(tree, ranking.cpu())  # after the rerank brought the tree over: no extra wait
         return Draft(self.grow_static(context[-1], last, last_logp))
+
+    def copy_round(self, context: list[int], features: torch.Tensor) -> Draft | None:
+        """A copy round's draft, its chain copied from the context, or None: copying is off, nothing
+        matches, or the pairs the head would catch up on next round (these K, and the round's
+        accepted tokens and bonus) could outgrow its step's largest bucket. features (K, F): the
+        committed rows the head has not seen, kept for that catch-up."""
+        # A slow (offloaded) target's round is worth a big tree: best_first never copies; nor does
+        # EAGLE-1's static tree, a fixed shape asked for as such.
+        t = self.tree
+        if not t.copy or t.best_first or self.static is not None or features.shape[0] + t.copy + 1 > max(self.step.buckets):
+            return None
+        found = self.lookup.continuations(context)
+        if not found:
+            return None
+        self.unseen = features
+        return Draft(chain_tree(context[-1], found[0][: t.copy]), copied=True)
 
     def catch_up(self, features: torch.Tensor, next_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the committed pairs (features (K, F), tokens (K,)); -> the last output (H,) and its

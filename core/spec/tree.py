@@ -65,6 +65,7 @@ class Draft:
     tree: DraftTree
     ranking: Tensor | None = None
     side: SideRows | None = None
+    copied: bool = False   # copied from the context, not the drafter's model: teaches the tuner nothing
 
     @property
     def rows(self) -> int:

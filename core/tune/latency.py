@@ -183,8 +183,8 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
         head_ms = tuple(time_head_step(drafter, engine, ids[:SHORT_CONTEXT], w) for w in widths)
         rerank_ms = time_rerank()
         # What a whole draft costs beyond its head steps and rerank: the drafter's own bookkeeping.
-        flat = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(0, 1, 2))
-        deep = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(2, 2, 4))
+        flat = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(0, 1, 2, copy=0))   # head steps, never a copy
+        deep = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(2, 2, 4, copy=0))
         fixed = max(0.0, flat - head_ms[0] - rerank_ms)
         level = max(0.0, (deep - flat - 2 * interpolate(widths, head_ms, 2)) / 2)
     engine.reset()

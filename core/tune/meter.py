@@ -61,7 +61,8 @@ class Meter:
         if step.reference and self.after_reference:
             self.reference_ms.append(1000 * round_s)
         self.after_reference = step.reference
-        if self.tree is not None and not step.reference:  # the catch-up fed what the last round committed: about this round's count
+        # The catch-up fed what the last round committed: about this round's count. A copy round ran no head step.
+        if self.tree is not None and not step.reference and not step.copied:
             self.drafts += 1
             self.draft_s += step.draft_s
             self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, len(step.new_ids)) / 1000
