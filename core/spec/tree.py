@@ -14,7 +14,8 @@ M drafted candidates in the rerank pool.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -135,13 +136,20 @@ def _lineages(parents: list[int]) -> list[list[int]]:
 
 def root_only(root_token: int) -> DraftTree:
     """N = 1: verify the root alone, i.e. plain decoding."""
-    return make_tree([root_token], [-1])
+    return chain_tree(root_token, [])
 
 
 def chain_tree(root_token: int, draft_tokens: Sequence[int]) -> DraftTree:
     """A single path root -> draft_tokens[0] -> draft_tokens[1] -> ..."""
-    n = len(draft_tokens)
-    return make_tree([root_token, *draft_tokens], [-1, *range(n)])
+    return replace(_chain_shape(len(draft_tokens) + 1), tokens=torch.tensor([root_token, *draft_tokens], dtype=torch.long))
+
+
+@cache
+def _chain_shape(n: int) -> DraftTree:
+    """A chain of n nodes, placeholder tokens: its parents, depths, mask and path depend on n alone.
+    Plain decoding and one-token drafts build one every round; make_tree took 0.09 ms of a 7-9 ms
+    round (2-core EPYC). Shared between trees: nothing writes into a tree's tensors."""
+    return make_tree([0] * n, [-1, *range(n - 1)])
 
 
 def first_nodes(tree: DraftTree, n: int) -> DraftTree:
