@@ -96,7 +96,7 @@ def _plain_run(service: ChatServiceApi, cancels: Cancels, cancel, chat: Chat, as
     """Stream the plain run: (answer so far, chatbot, stats line) per event."""
     plain = Answer()
     events = service.reply(handlers.service_messages(chat[:-1]), asked.system_prompt, asked.sampling, asked.stops,
-                           cancel, strategy="plain")
+                           cancel, strategy="plain", every_s=handlers.SHOW_EVERY_S)
     for event in events:
         plain = plain.add(event)
         if not cancels.discarded(cancel):

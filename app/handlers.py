@@ -10,7 +10,6 @@ import html
 import logging
 import math
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +21,8 @@ from core.errors import AerieError
 from core.service.contract import ChatServiceApi
 
 log = logging.getLogger(__name__)
-# The page shows a streaming answer at most this often (and always its end). Each update costs the
+# The page shows a streaming answer at most this often (and always its end: the service merges the
+# rounds between, `reply(every_s=...)`). Each update costs the
 # engine ~30-40 ms of the 2 cores (Gradio's diff and stream, Chromium's redraw; two busy threads lose
 # more than the CPU time taken, as one waits for the other): on the AMX Xeon, plain decoding of 128
 # tokens took 1.06 s in the page at 0.1 s against 0.72 through the API. Six MT-bench answers x 128
@@ -237,19 +237,16 @@ def _answer(service: ChatServiceApi, cancels: Cancels, key: str, chat: Chat, sys
     try:
         *numbers, stop_text = settings
         request = Request(system_prompt or "", parse_settings(*numbers), parse_stop_strings(stop_text))
+        # Each update re-sends and re-renders the whole chat: at a round's pace (~100 a second on a
+        # CPU) that work took most of a 2-core machine from the engine. The service merges the rounds.
         events = service.reply(service_messages(chat), request.system_prompt, request.sampling, request.stops,
-                               cancel)
-        shown_at = 0.0
+                               cancel, every_s=SHOW_EVERY_S)
         for event in events:
             answer = answer.add(event)
             if event.notice and event.notice not in notices:
                 notices.add(event.notice)
                 toast("info", event.notice)
-            # Each update re-sends and re-renders the whole chat: at a round's pace (~100 a second on
-            # a CPU) that work took most of a 2-core machine from the engine.
-            now = time.monotonic()
-            if not cancels.discarded(cancel) and (event.finish or now - shown_at >= SHOW_EVERY_S):
-                shown_at = now
+            if not cancels.discarded(cancel):
                 shown = [answer.record(request)] if answer.text else []
                 yield chat + shown, format_stats(answer.stats, event.finish)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a toast; unexpected ones are logged

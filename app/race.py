@@ -40,7 +40,7 @@ def race(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id: i
         for name in names:
             run = Answer()
             for event in service.reply(handlers.service_messages(chat[:-1]), asked.system_prompt, greedy, asked.stops,
-                                       cancel, strategy=name):
+                                       cancel, strategy=name, every_s=handlers.SHOW_EVERY_S):
                 run = run.add(event)
                 if not cancels.discarded(cancel):
                     yield shown + [answers.race_running_row(done, name, run, len(names))], answers.format_stats(run.stats)

@@ -3,10 +3,11 @@ detokenization and stop strings. Everything here is text <-> token ids; the engi
 only ids, the UI above it knows only text and `ReplyEvent`s.
 """
 
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from core.config import Spans
+from core.config import ReplyEvent, Spans
 from core.errors import AerieError, ContextOverflowError
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
@@ -73,6 +74,31 @@ def merge_spans(spans: Sequence[tuple[str, bool]]) -> Spans:
         elif text:
             out.append((text, drafted))
     return tuple(out)
+
+
+def coalesced(events: Iterator[ReplyEvent], every_s: float) -> Iterator[ReplyEvent]:
+    """`events` merged so that at most one comes out every `every_s` seconds: the first (the time
+    to the first token), one with a notice and the last at once, the rest held and merged into the
+    next. A reader on another thread wakes per event it gets, and each wake needs the GIL the
+    engine's next round wants. Closing this closes `events`."""
+    held, shown_at = None, None
+    try:
+        for event in events:
+            held = event if held is None else joined_events(held, event)
+            now = time.monotonic()
+            if shown_at is None or held.finish or held.notice or now - shown_at >= every_s:
+                shown_at = now
+                yield held
+                held = None
+        if held is not None:
+            yield held
+    finally:
+        events.close()
+
+
+def joined_events(first: ReplyEvent, then: ReplyEvent) -> ReplyEvent:
+    """One event for two in a row: both deltas, the later stats and finish, a notice if either had one."""
+    return ReplyEvent.of(merge_spans(first.pieces + then.pieces), then.stats, first.notice or then.notice, then.finish)
 
 
 def split_spans(spans: Spans, at: int) -> tuple[Spans, Spans]:

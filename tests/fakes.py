@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from app.api import api_routes
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
+from core.text import coalesced
 from core.spec.drafters import trie_tree
 from core.spec.tree import Draft
 from core.tune.budget import GIB
@@ -35,7 +36,11 @@ class FakeService:
         self.pinned = strategy
         return f"{strategy or 'the tuner'} decides"
 
-    def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None):
+    def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None, every_s=0.0):
+        """As the service streams: its events merged into at most one per every_s."""
+        return coalesced(self.events(messages, system_prompt, sampling, stop_strings, cancel, strategy), every_s)
+
+    def events(self, messages, system_prompt, sampling, stop_strings, cancel, strategy):
         self.calls.append(SimpleNamespace(messages=messages, system_prompt=system_prompt, sampling=sampling,
                                           stop_strings=stop_strings, cancel=cancel, strategy=strategy))
         for i, word in enumerate(self.words):

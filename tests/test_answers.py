@@ -29,7 +29,7 @@ class SpanService:
         self.plain_text, self.stop_plain_after = plain_text, stop_plain_after
         self.calls = []
 
-    def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None):
+    def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None, every_s=0.0):
         self.calls.append(SimpleNamespace(messages=messages, system_prompt=system_prompt, sampling=sampling,
                                           stop_strings=stop_strings, strategy=strategy, cancel=cancel))
         plain = strategy == "plain"

@@ -68,7 +68,7 @@ def test_the_overflow_advice_names_max_tokens_for_the_api_and_max_new_tokens_for
 class SlowPrefill(ApiFake):
     """A long prompt: 6 s to the first token, then 4 tokens a second."""
 
-    def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None):
+    def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None, every_s=0.0):
         for n in range(1, 6):
             yield ReplyEvent(f" w{n}", ReplyStats(new_tokens=n, elapsed_s=6 + 0.25 * (n - 1), target_steps=n))
         yield ReplyEvent("", ReplyStats(new_tokens=5, elapsed_s=7, target_steps=5), finish="eos")

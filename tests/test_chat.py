@@ -116,6 +116,36 @@ def test_reply_reports_cancel(tiny_service):
     assert events[-1].finish == "cancelled" and events[-1].stats.new_tokens < 100
 
 
+def test_reply_merges_rounds_into_one_event_per_every_s(tiny_service):
+    """The reader of a fast stream wakes a few times a second, not once a round: the first event
+    and the last come at once, the text and its drafted spans are the same, the stats the last's."""
+    sampling = SamplingConfig(max_new_tokens=40)
+    text, every = collect(tiny_service, [{"role": "user", "content": "Go on"}], sampling)
+    events = list(tiny_service.reply([{"role": "user", "content": "Go on"}], "", sampling, (), threading.Event(),
+                                     every_s=60.0))
+    assert len(every) > 3 and len(events) == 2
+    assert "".join(e.delta for e in events) == text
+    assert events[-1].stats.new_tokens == every[-1].stats.new_tokens and events[-1].stats.strategy == every[-1].stats.strategy
+    assert events[-1].finish == every[-1].finish and events[0].delta == every[0].delta
+
+
+def test_coalesced_keeps_notices_and_spans():
+    from core.config import ReplyEvent, ReplyStats
+    from core.text import coalesced
+
+    def events():
+        yield ReplyEvent.of((("a", False),), ReplyStats(new_tokens=1))
+        yield ReplyEvent.of((("b", True),), ReplyStats(new_tokens=2))
+        yield ReplyEvent.of((("c", True),), ReplyStats(new_tokens=3), notice="trimmed")
+        yield ReplyEvent.of((("d", False),), ReplyStats(new_tokens=4))
+        yield ReplyEvent.of((), ReplyStats(new_tokens=4), finish="eos")
+
+    merged = list(coalesced(events(), 60.0))
+    assert [e.delta for e in merged] == ["a", "bc", "d"] and merged[1].notice == "trimmed"
+    assert merged[1].spans == (("bc", True),) and merged[-1].finish == "eos" and merged[-1].stats.new_tokens == 4
+    assert [e.delta for e in coalesced(events(), 0.0)] == ["a", "b", "c", "d", ""]
+
+
 def test_every_step_runs_on_the_services_worker(tiny_service, monkeypatch):
     """All torch work on one thread (core/service/worker.py): the engine's steps never run on the reader's."""
     engine, on_worker = tiny_service.engine, []

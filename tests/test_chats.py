@@ -127,7 +127,7 @@ from app.store import ChatStore
 from core.config import ReplyEvent, ReplyStats
 
 class Slow:
-    def reply(self, messages, system_prompt, sampling, stops, cancel):
+    def reply(self, messages, system_prompt, sampling, stops, cancel, every_s=0.0):
         for i in range(100000):
             time.sleep(0.01)
             yield ReplyEvent(f" w{i}", ReplyStats(new_tokens=i + 1, elapsed_s=1.0, target_steps=i + 1))

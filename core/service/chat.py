@@ -14,7 +14,7 @@ from core.service.switching import SwitchReport, fetch, process_bytes, release
 from core.service.warmup import Pending, Warmup
 from core.service.worker import Worker
 from core.spec.drafters import PlainDrafter
-from core.text import IncrementalDetokenizer, StopMatcher, fit_context, merge_spans, round_spans
+from core.text import IncrementalDetokenizer, StopMatcher, coalesced, fit_context, merge_spans, round_spans
 from core.tune.monitor import Snapshot, snapshot
 from core.tune.probe import Probe
 from core.tune.turn import TurnLog
@@ -139,11 +139,12 @@ class ChatService:
 
     def reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
               stop_strings: tuple[str, ...], cancel: threading.Event,
-              strategy: str | None = None) -> Iterator[ReplyEvent]:
+              strategy: str | None = None, every_s: float = 0.0) -> Iterator[ReplyEvent]:
         """Waits while another answer runs; a reply cancelled while waiting yields nothing.
         `strategy` (a drafter's name: "plain" for an A/B comparison) decodes this one answer that
         way instead of the tuner's choice; the tuner does not count it as a turn (so an A/B run
-        cannot demote EAGLE) and plans the next answer as usual."""
+        cannot demote EAGLE) and plans the next answer as usual. With `every_s`, the rounds' events
+        are merged on the worker into at most one per every_s seconds (core/text.py `coalesced`)."""
         while not self.busy.acquire(timeout=0.1):
             if cancel.is_set():
                 return
@@ -151,7 +152,7 @@ class ChatService:
             # Each step runs on the worker; closing this early returns once the worker has closed
             # the engine's generator, so the lock is released with the engine free.
             yield from self.worker.stream(
-                lambda: self._reply(messages, system_prompt, sampling, stop_strings, cancel, strategy))
+                lambda: coalesced(self._reply(messages, system_prompt, sampling, stop_strings, cancel, strategy), every_s))
         finally:
             # A generator may be closed from another thread than the one that started it:
             # a plain Lock, unlike an RLock, can be released there.

@@ -31,7 +31,7 @@ class ChatServiceApi(Protocol):
 
     def reply(self, messages: list[dict], system_prompt: str, sampling: SamplingConfig,
               stop_strings: tuple[str, ...], cancel: threading.Event,
-              strategy: str | None = None) -> Iterator[ReplyEvent]: ...
+              strategy: str | None = None, every_s: float = 0.0) -> Iterator[ReplyEvent]: ...   # core/text.py `coalesced`
 
     def pin(self, strategy: str | None) -> str: ...   # decode with this drafter from now on (None: the tuner's); -> the plan
 
