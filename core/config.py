@@ -130,7 +130,8 @@ class TreeConfig:
     # by cumulative draft log-prob, top_k nodes fed per head step, at most depth head steps.
     best_first: bool = False
     # EAGLE's copy rounds: where the context's last 2-3 tokens appeared earlier in it (prompt lookup),
-    # draft the `copy` tokens that followed them then, with no head step; 0 = never.
+    # draft the `copy` tokens that followed them then, with no head step, in place of a tree of at
+    # most copy + 1 tokens (core/spec/eagle.py `copy_round`); 0 = never.
     copy: int = COPY_TOKENS
 
     def __post_init__(self):

@@ -1,6 +1,8 @@
 """The EAGLE drafter: lossless for random EAGLE-1 and EAGLE-3 heads and any tree shape, on tiny
 random targets and on the real embedded model; the head cache stays in step across turns."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -64,13 +66,13 @@ def test_reference_rounds_run_plainly_and_keep_the_head_in_step():
                                       SamplingConfig(temperature=0.3, seed=3, max_new_tokens=40)])
 def test_copy_rounds_are_lossless_and_keep_the_head_in_step(sampling):
     """Where the context repeats itself, copy rounds verify prompt lookup's chain with no head step
-    (and teach the tuner nothing); the head catches up on what they committed, across turns and
+    in place of a tree of at most 4 tokens (and teach the tuner nothing); the head catches up on what they committed, across turns and
     reference rounds, and the text is plain decoding's (sampled: the same seed's again)."""
     model = tiny_llama(seed=3, layers=4)
 
-    def chat(copy: int) -> list[tuple[list[int], list]]:
+    def chat(copy: int, tree: TreeConfig = TreeConfig(1, 2, 4)) -> list[tuple[list[int], list]]:
         """Two turns on one engine: each turn's prompt and its steps."""
-        drafter = EagleDrafter(random_head(model, "eagle1", 5), 4, TreeConfig(1, 2, 4, copy=copy))
+        drafter = EagleDrafter(random_head(model, "eagle1", 5), 4, replace(tree, copy=copy))
         engine, turn, turns = Engine(tiny_target(model), drafter), [5, 6, 7, 8, 9] * 4, []
         for _ in range(2):
             steps = list(engine.generate(turn, sampling, reference_every=4))
@@ -90,6 +92,7 @@ def test_copy_rounds_are_lossless_and_keep_the_head_in_step(sampling):
     if not sampling.greedy:
         assert [text(steps) for _, steps in copying] == [text(steps) for _, steps in chat(3)]
     assert not any(s.copied for _, steps in chat(0) for s in steps)
+    assert not any(s.copied for _, steps in chat(3, TreeConfig(3, 4, 12)) for s in steps)   # a bigger tree pays more
 
 
 def test_sampled_eagle_is_reproducible():

@@ -138,10 +138,12 @@ class EagleDrafter:
         matches, or the pairs the head would catch up on next round (these K, and the round's
         accepted tokens and bonus) could outgrow its step's largest bucket. features (K, F): the
         committed rows the head has not seen, kept for that catch-up."""
-        # A slow (offloaded) target's round is worth a big tree: best_first never copies; nor does
-        # EAGLE-1's static tree, a fixed shape asked for as such.
+        # Only in place of a tree no bigger than the copied chain (a CPU's one- to three-token drafts):
+        # where verifying more tokens costs little (a GPU, an offloaded target's SpecExec trees), the
+        # round's tree accepts more than a copy. Never for EAGLE-1's static tree, asked for as such.
         t = self.tree
-        if not t.copy or t.best_first or self.static is not None or features.shape[0] + t.copy + 1 > max(self.step.buckets):
+        small = t.total_tokens <= t.copy + 1 and self.static is None
+        if not t.copy or not small or features.shape[0] + t.copy + 1 > max(self.step.buckets):
             return None
         found = self.lookup.continuations(context)
         if not found:
