@@ -2,7 +2,7 @@
 
 Strategies: plain (ours), hf_generate (transformers greedy), hf_prompt_lookup (transformers
 assisted generation with prompt_lookup_num_tokens), prompt_lookup (ours), and with a head eagle
-(the tuner's shape, re-planned per prompt) plus any fixed shapes asked for (eagle_d{depth}k{top_k}n{total}). Prints a per-category table, then one JSON line. Compare ratios from one run only: the
+(the tuner's shape, re-planned per prompt) plus any fixed shapes asked for (eagle_d{depth}k{top_k}n{total}, and c{copy} where its copy length is not the default). Prints a per-category table, then one JSON line. Compare ratios from one run only: the
 machines are shared and absolute times drift between runs. With --serve, plain, prompt_lookup and
 eagle also answer each prompt through a live server's API (core/served.py): a `served` entry per
 strategy and a row under the table give its wall-clock tok/s and its ratio to the bench's. With

@@ -5,7 +5,7 @@ only ids, the UI above it knows only text and `ReplyEvent`s.
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Generator, Iterator, Sequence
 
 from core.config import ReplyEvent, Spans
 from core.errors import AerieError, ContextOverflowError
@@ -76,24 +76,29 @@ def merge_spans(spans: Sequence[tuple[str, bool]]) -> Spans:
     return tuple(out)
 
 
-def coalesced(events: Iterator[ReplyEvent], every_s: float) -> Iterator[ReplyEvent]:
-    """`events` merged so that at most one comes out every `every_s` seconds: the first (the time
-    to the first token), one with a notice and the last at once, the rest held and merged into the
-    next. A reader on another thread wakes per event it gets, and each wake needs the GIL the
-    engine's next round wants. Closing this closes `events`."""
-    held, shown_at = None, None
+def coalesced(events: Generator[ReplyEvent, None, None], every_s: float) -> Iterator[ReplyEvent]:
+    """`events` merged so that at most one comes out every `every_s` seconds: those up to the first
+    text (the time to the first token), one with a notice and the last at once, the rest held and
+    merged into the next; held text still comes out before a failure is raised. A reader on another
+    thread wakes per event it gets, and each wake needs the GIL the engine's next round wants.
+    Closing this closes `events`."""
+    held, shown_at, texted = None, 0.0, False
     try:
         for event in events:
             held = event if held is None else joined_events(held, event)
             now = time.monotonic()
-            if shown_at is None or held.finish or held.notice or now - shown_at >= every_s:
-                shown_at = now
+            if not texted or held.finish or held.notice or now - shown_at >= every_s:
+                shown_at, texted = now, texted or bool(held.delta)
                 yield held
                 held = None
+    except Exception:
         if held is not None:
             yield held
+        raise
     finally:
         events.close()
+    if held is not None:
+        yield held
 
 
 def joined_events(first: ReplyEvent, then: ReplyEvent) -> ReplyEvent:

@@ -145,6 +145,17 @@ def test_coalesced_keeps_notices_and_spans():
     assert merged[1].spans == (("bc", True),) and merged[-1].finish == "eos" and merged[-1].stats.new_tokens == 4
     assert [e.delta for e in coalesced(events(), 0.0)] == ["a", "b", "c", "d", ""]
 
+    def failing():
+        yield ReplyEvent.of((), ReplyStats())               # nothing to show yet (held back by a stop matcher)
+        yield ReplyEvent.of((("a", False),), ReplyStats(new_tokens=1))
+        yield ReplyEvent.of((("b", False),), ReplyStats(new_tokens=2))
+        raise RuntimeError("engine failed")
+
+    got = coalesced(failing(), 60.0)
+    assert [next(got).delta, next(got).delta, next(got).delta] == ["", "a", "b"]   # the first text at once; held text kept
+    with pytest.raises(RuntimeError, match="engine failed"):
+        next(got)
+
 
 def test_every_step_runs_on_the_services_worker(tiny_service, monkeypatch):
     """All torch work on one thread (core/service/worker.py): the engine's steps never run on the reader's."""

@@ -299,6 +299,20 @@ def test_a_probe_is_judged_over_clear_tokens():
     assert t.plan(100).rung == "chain"
 
 
+def test_a_short_probe_does_not_outlive_a_step_down():
+    """A probe left short, then the ladder's own rung steps down (a turn planned below the probe,
+    as when the rung above is predicted slow): the next probe, of another rung, starts afresh."""
+    t = live_tuner()
+    turn(t, 0.8)                                 # tree -> chain
+    for _ in range(PROBE_EVERY):
+        turn(t, 1.2)
+    assert turn(t, 3.0, tokens=32) == "tree" and t.probed   # fast but short: not judged yet
+    plain_ms = t.profile.plain_ms(100)
+    t.trial = None                               # the chain's own turn, clearly slow
+    t.end_turn(Turn("eagle", 64, 64 * plain_ms / 1000 / 0.8, plain_ms))
+    assert t.rungs[t.rung] == "prompt_lookup" and t.probed == []
+
+
 def test_a_lost_probe_does_not_demote_the_rung_below():
     t = live_tuner()
     turn(t, 0.8)                                 # on the chain now
@@ -465,7 +479,8 @@ def test_meter_times_plain_decoding_in_the_answers_reference_rounds():
 
 def test_a_copy_round_is_not_a_draft_of_the_tree():
     """A copy round (TreeConfig.copy) ran no head step: it counts for the speedup, not as a draft
-    the profile's estimate for the tree is checked against."""
+    the profile's estimate for the tree is checked against; the next draft's catch-up, profiled,
+    covers its tokens too."""
     tree = TreeConfig(depth=0, top_k=1, total_tokens=2)
     drafted = SimpleNamespace(tree_size=2, new_ids=(1, 2), draft_s=0.001, verify_s=0.012, commit_s=0.0005,
                               reference=False, copied=False)
@@ -476,6 +491,7 @@ def test_a_copy_round_is_not_a_draft_of_the_tree():
         meter.add(step)
     turn = meter.turn()
     assert turn.drafts == 2 and turn.draft_s == pytest.approx(0.002) and turn.tokens == 7
+    assert meter.draft_profiled_s == pytest.approx((CPU.draft(0, 1, 2) + CPU.draft(0, 1, 2 + 3)) / 1000)
 
 
 def test_meter_times_drafts_against_the_profile():

@@ -136,8 +136,9 @@ class EagleDrafter:
     def copy_round(self, context: list[int], features: torch.Tensor) -> Draft | None:
         """A copy round's draft, its chain copied from the context, or None: copying is off, nothing
         matches, or the pairs the head would catch up on next round (these K, and the round's
-        accepted tokens and bonus) could outgrow its step's largest bucket. features (K, F): the
-        committed rows the head has not seen, kept for that catch-up."""
+        accepted tokens and bonus) could outgrow its step's largest bucket (two reference rounds
+        between can still add two: that catch-up then runs eagerly). features (K, F): the committed
+        rows the head has not seen, kept for that catch-up."""
         # Only in place of a tree no bigger than the copied chain (a CPU's one- to three-token drafts):
         # where verifying more tokens costs little (a GPU, an offloaded target's SpecExec trees), the
         # round's tree accepts more than a copy. Never for EAGLE-1's static tree, asked for as such.

@@ -66,7 +66,7 @@ class Draft:
     tree: DraftTree
     ranking: Tensor | None = None
     side: SideRows | None = None
-    copied: bool = False   # copied from the context, not the drafter's model: teaches the tuner nothing
+    copied: bool = False   # copied from the context, not the drafter's model: teaches its acceptance model and draft clock nothing
 
     @property
     def rows(self) -> int:
@@ -148,8 +148,10 @@ def chain_tree(root_token: int, draft_tokens: Sequence[int]) -> DraftTree:
 def _chain_shape(n: int) -> DraftTree:
     """A chain of n nodes, placeholder tokens: its parents, depths, mask and path depend on n alone.
     Plain decoding and one-token drafts build one every round; make_tree took 0.09 ms of a 7-9 ms
-    round (2-core EPYC). Shared between trees: nothing writes into a tree's tensors."""
-    return make_tree([0] * n, [-1, *range(n - 1)])
+    round (2-core EPYC). Shared between trees: nothing writes into a tree's tensors. Made outside
+    inference mode, whichever caller comes first: an inference tensor cannot enter autograd."""
+    with torch.inference_mode(False):
+        return make_tree([0] * n, [-1, *range(n - 1)])
 
 
 def first_nodes(tree: DraftTree, n: int) -> DraftTree:

@@ -51,6 +51,7 @@ class Meter:
     draft_profiled_s: float = 0.0
     reference_ms: list[float] = field(default_factory=list)   # each timed reference round (one token)
     after_reference: bool = False
+    uncaught: int | None = None   # tokens committed since the head's last step: its next catch-up's rows
 
     def add(self, step) -> None:
         self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
@@ -61,11 +62,18 @@ class Meter:
         if step.reference and self.after_reference:
             self.reference_ms.append(1000 * round_s)
         self.after_reference = step.reference
-        # The catch-up fed what the last round committed: about this round's count. A copy round ran no head step.
-        if self.tree is not None and not step.reference and not step.copied:
-            self.drafts += 1
-            self.draft_s += step.draft_s
-            self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, len(step.new_ids)) / 1000
+        if self.tree is None:
+            return
+        if step.reference or step.copied:   # no head step: the next one catches up on these rows too
+            self.uncaught = (self.uncaught or 0) + len(step.new_ids)
+            return
+        # The catch-up fed what was committed since the head's last step (the first round's, the
+        # prompt's, is taken as about this round's count).
+        caught_up = self.uncaught if self.uncaught is not None else len(step.new_ids)
+        self.uncaught = len(step.new_ids)
+        self.drafts += 1
+        self.draft_s += step.draft_s
+        self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, caught_up) / 1000
 
     @property
     def load(self) -> float:

@@ -27,8 +27,8 @@ Stepping down is not for ever: a busy minute slows every rung, and the load corr
 tell all of it apart. After `PROBE_EVERY` measured turns below the top, one turn tries the rung
 above again (a probe, over as many turns as it takes to decode `CLEAR_TOKENS`); measured at
 `DEMOTE_BELOW` or more over them, the ladder climbs back to it, else it stays and probes again
-`PROBE_EVERY` turns later. A probe that loses costs one turn in
-PROBE_EVERY + 1; one that wins recovers the speedup for the rest of the chat.
+`PROBE_EVERY` turns later. A probe that loses costs a turn (up to CLEAR_TOKENS / MIN_TURN_TOKENS short
+ones) in every PROBE_EVERY + 1 or so; one that wins recovers the speedup for the rest of the chat.
 """
 
 from dataclasses import dataclass, replace
@@ -285,6 +285,7 @@ class Tuner:
                             if slow else
                             f"{LABELS[self.rungs[self.rung]]} measured {measured:.2f}x plain (< {CLEARLY_SLOWER})")
             self.rung, self.runs, self.since_probe, self.replanned = self.rung + 1, [], 0, False
+            self.probed = []   # a probe of the rung above this one, left short, is not this rung's
 
     def _judge_probe(self, trial: int, turn: Turn) -> None:
         """A probe is judged like a rung's exit, over CLEAR_TOKENS tokens or more: one 31-token answer
