@@ -275,7 +275,7 @@ class Tuner:
         if self.rungs[self.rung] == "plain":
             return
         self.runs = [*self.runs, turn][-RIVAL_RUNS:]
-        mean = sum(t.tokens * t.speedup for t in self.runs) / sum(t.tokens for t in self.runs)
+        mean = token_mean(self.runs)
         slow = len(self.runs) >= DEMOTE_TURNS and mean < SLOWER_THAN_PLAIN
         clearly = measured < CLEARLY_SLOWER and turn.tokens >= CLEAR_TOKENS
         if (slow or clearly) and self.rung < len(self.rungs) - 1:
@@ -291,10 +291,9 @@ class Tuner:
         """A probe is judged like a rung's exit, over CLEAR_TOKENS tokens or more: one 31-token answer
         measured 0.78x in the page ran 1.34x through the API. Until then it stays due."""
         self.probed = [*self.probed, turn]
-        tokens = sum(t.tokens for t in self.probed)
-        if tokens < CLEAR_TOKENS:
+        if sum(t.tokens for t in self.probed) < CLEAR_TOKENS:
             return
-        mean = sum(t.tokens * t.speedup for t in self.probed) / tokens
+        mean = token_mean(self.probed)
         self.since_probe, self.probed = 0, []
         if mean >= DEMOTE_BELOW:
             self.demoted = f"{LABELS[self.rungs[trial]]} probed at {mean:.2f}x plain: back up"
@@ -316,3 +315,8 @@ class Tuner:
         self.demoted = (f"d{old.depth}k{old.top_k}n{old.total_tokens} measured {measured:.2f}x plain: "
                         f"re-planned to d{new.depth}k{new.top_k}n{new.total_tokens} on what it taught")
         return True
+
+
+def token_mean(turns: Sequence[Turn]) -> float:
+    """The turns' measured speedup, each weighed by its tokens: a rung's or a probe's verdict."""
+    return sum(t.tokens * t.speedup for t in turns) / sum(t.tokens for t in turns)
