@@ -1,6 +1,7 @@
 """Hardware-aware tuning (DESIGN.md section 6) with injected probes and given latency profiles:
 NVML readings, the memory budget, the acceptance model, the chosen shapes and the fallback ladder."""
 
+import itertools
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from core.spec.tree import make_tree
 from core.engine import StepResult
 from core.tune.meter import MIN_DRAFTS, REFERENCE_EVERY, Meter, Turn
 from core.tune.turn import TurnLog
-from core.tune.shapes import PositionalAcceptance, Pins, TreeRival, best_shape, node_values, prior_table
+from core.tune.shapes import PositionalAcceptance, Pins, TreeRival, best_shape, node_pools, prior_table
 from core.tune.tuner import PROBE_EVERY, RIVAL_RUNS, Tuner
 from core.spec.verify import Acceptance as Accepted, path_offers
 from tests.fakes import FakeNvml
@@ -118,16 +119,16 @@ def test_profile_round_trips_through_json():
 # ---------------------------------------------------------------- acceptance and shapes
 
 
-def test_node_values_of_a_chain_are_products_of_the_chain_acceptance():
+def test_node_pools_of_a_chain_are_products_of_the_chain_acceptance():
     q = prior_table([0.8, 0.5, 0.5])
-    values = node_values(q, depth=2, top_k=1)
-    assert values.tolist() == pytest.approx([0.8, 0.4, 0.2])
+    values = list(itertools.islice(node_pools(q.tolist(), top_k=1), 3))[2]
+    assert values == pytest.approx([0.8, 0.4, 0.2])
 
 
-def test_node_values_keep_only_the_frontier_expanded():
+def test_node_pools_keep_only_the_frontier_expanded():
     q = torch.tensor([[0.6, 0.2, 0.1]] * 8)
-    values = node_values(q, depth=1, top_k=2)  # root's 2 children, then 2 children of each
-    assert sorted(values.tolist(), reverse=True) == pytest.approx([0.6, 0.36, 0.2, 0.12, 0.12, 0.04])
+    values = list(itertools.islice(node_pools(q.tolist(), top_k=2), 2))[1]  # root's 2 children, then 2 children of each
+    assert values == pytest.approx([0.6, 0.36, 0.2, 0.12, 0.12, 0.04])
 
 
 def test_acceptance_learns_per_depth_and_rank():

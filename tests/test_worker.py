@@ -80,3 +80,15 @@ def test_a_failing_stream_raises_at_the_reader_and_the_worker_lives_on():
     with pytest.raises(RuntimeError, match="before the first"):
         list(worker.stream(not_a_generator))
     assert worker.call(lambda: "still here") == "still here"
+
+
+def test_post_runs_after_the_queued_jobs_without_waiting_and_logs_a_failure(caplog):
+    worker, gate, order = Worker(), threading.Event(), []
+    worker.submit(lambda: (gate.wait(5), order.append("queued")))
+    worker.post(lambda: order.append("posted"))   # returns while the worker still waits on the gate
+    assert order == []
+    gate.set()
+    worker.post(lambda: {}["lost"])
+    assert worker.call(lambda: list(order)) == ["queued", "posted"]
+    assert "posted to the torch worker failed" in caplog.text and "lost" in caplog.text
+    assert worker.call(lambda: worker.post(lambda: order.append("inline")) or order[-1]) == "inline"  # here: now

@@ -62,6 +62,14 @@ class Worker:
         """fn() run on the worker; its result, or its exception raised here."""
         return fn() if self.here else self.submit(fn).result()
 
+    def post(self, fn: Callable[[], object]) -> None:
+        """fn() run on the worker after the jobs queued so far (here: now), without waiting for it;
+        a failure is logged, as nobody waits to be told."""
+        if self.here:
+            fn()
+            return
+        self.submit(fn).add_done_callback(_log_failure)
+
     def stream(self, items: Callable[[], Generator[T, None, None]]) -> Iterator[T]:
         """The items of `items()`, made and advanced on the worker. Closing this early stops the
         worker's generator after the item it is on (it is closed there, so its `finally` runs on
@@ -86,6 +94,11 @@ class Worker:
             wait([job])
             if not finished and job.exception() is not None:
                 log.error("A stream's work failed after its reader had left", exc_info=job.exception())
+
+
+def _log_failure(job: Future) -> None:
+    if job.exception() is not None:
+        log.error("Work posted to the torch worker failed", exc_info=job.exception())
 
 
 def _pump(items: Callable[[], Generator[T, None, None]], out: queue.SimpleQueue, stop: threading.Event,
