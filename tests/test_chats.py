@@ -50,10 +50,11 @@ def test_a_first_message_creates_the_chat_and_lists_it(store):
     outputs = say(store, FakeService(), None, "Plan a trip to Lisbon")
     (chat,) = store.chats()
     assert chat.title == "Plan a trip to Lisbon"
-    first_list = outputs[0][2]
-    assert choices(first_list) == [("Plan a trip to Lisbon", chat.id)] and first_list["value"] == chat.id
-    assert outputs[0][3] == "Plan a trip to Lisbon"  # the title box of the new chat
-    assert all(o[2] == o[3] == gr.skip() for o in outputs[1:])  # sent once, skipped later
+    listed = outputs[-1][2]  # once the answer is done: its redraw would take the cores from the prefill
+    assert choices(listed) == [("Plan a trip to Lisbon", chat.id)] and listed["value"] == chat.id
+    assert outputs[-1][3] == "Plan a trip to Lisbon"  # the title box of the new chat
+    assert outputs[-1][:2] == outputs[-2][:2]  # with the last update again
+    assert all(o[2] == o[3] == gr.skip() for o in outputs[:-1])  # sent once, skipped before
     assert stored(store, chat.id) == text_rows(outputs[-1][0]) == [
         {"role": "user", "content": "Plan a trip to Lisbon"}, {"role": "assistant", "content": "Hello there, friend."}]
 
@@ -68,7 +69,7 @@ def test_answers_start_from_the_stored_chat_not_the_page(store):
                                             {"role": "assistant", "content": "A1 (other tab)"}]
     assert [m["content"] for m in stored(store, chat.id)] == ["Q1", "A1 (other tab)", "Q2", "A2"]
     assert text_rows(outputs[-1][0]) == stored(store, chat.id)
-    assert outputs[0][3] == gr.skip()  # an existing chat keeps the title box as the user left it
+    assert outputs[-1][2]["value"] == chat.id and outputs[-1][3] == gr.skip()  # an existing chat's title box stays
 
 
 def test_an_empty_message_stores_nothing(store):
