@@ -168,6 +168,8 @@ def respond(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id
         yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return
     recorder, history = _open(store, chat_id, history, create=True)
+    if recorder is not None:
+        recorder.offer(handlers.sent_chat(message, history))  # saved before the prefill: a kill keeps the message
     settings = (system_prompt, temperature, top_p, top_k, seed, max_new_tokens, stop_text)
     yield from _recorded(store, recorder, handlers.respond(service, cancels, message, history, *settings,
                                                            request=request), highlight)

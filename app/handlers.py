@@ -258,16 +258,24 @@ def _answer(service: ChatServiceApi, cancels: Cancels, key: str, chat: Chat, sys
         cancels.finish(key, cancel)
 
 
+def sent_chat(message: Any, history: Any) -> Chat | None:
+    """`history` with the user's message as its last turn, once (the page draws a message in the chat
+    as it sends it, so it may be there already); None for an empty message."""
+    text = content_text(message).strip()
+    if not text:
+        return None
+    chat = normalise_history(history)
+    return (chat[:-1] if chat[-1:] == [{"role": "user", "content": text}] else chat) + [{"role": "user", "content": text}]
+
+
 def respond(service: ChatServiceApi, cancels: Cancels, message: Any, history: Any, system_prompt: str,
             temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any, stop_text: Any,
             request: gr.Request | None = None) -> Iterator[tuple[Chat, str]]:
-    """Add the user's message to the chat and stream the answer."""
-    text = content_text(message).strip()
-    if not text:
+    """Add the user's message to the chat and stream the answer (the page drew the message itself)."""
+    chat = sent_chat(message, history)
+    if chat is None:
         yield gr.skip(), gr.skip()
         return
-    chat = normalise_history(history) + [{"role": "user", "content": text}]
-    yield chat, "…"
     settings = (temperature, top_p, top_k, seed, max_new_tokens, stop_text)
     yield from _answer(service, cancels, session_key(request), chat, system_prompt, settings)
 

@@ -58,6 +58,14 @@ def launch_options() -> dict[str, Any]:
     return {"css": CSS_PATH.read_text(encoding="utf-8"), "theme": theme}
 
 
+# Send: the message drawn at once as the chat's last turn (Gradio 6's message format) and the stats
+# line marked busy, in the page; respond's first update then brings the answer. Drawn by a first
+# update from the server instead, the page's redraw took the cores from the prefill (2-core Zen 4).
+SHOW_SENT = """(text, chat) => { const sent = text.trim(), skip = {__type__: "update"};
+  return [text, sent ? [...chat, {role: "user", metadata: null, options: null, content: [{type: "text", text: sent}]}]
+          : skip, sent ? "…" : skip, ...%s]; }"""
+
+
 def in_page(updates: tuple[dict, ...], passed: int = 0) -> dict[str, Any]:
     """An event's keywords to run it in the browser alone: it returns its first `passed` inputs as
     they are, then `updates` (gr.update dicts). Locking and unlocking the controls around an answer
@@ -229,8 +237,9 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
 
     locking, unlock = in_page(handlers.controls("answering")), in_page(handlers.controls("idle"))
     # Send parks the message in `pending` and empties the textbox in the page, so respond starts at once.
-    send = gr.on([p.textbox.submit, p.send.click], inputs=p.textbox, outputs=[p.pending, *lock],
-                 **in_page(handlers.controls("answering", clear_textbox=True), passed=1))
+    send = gr.on([p.textbox.submit, p.send.click], inputs=[p.textbox, p.chatbot], outputs=[p.pending, p.chatbot, p.stats, *lock],
+                 fn=None, js=SHOW_SENT % json.dumps(list(handlers.controls("answering", clear_textbox=True))),
+                 queue=False, api_visibility="private")
     respond = send.then(bind(chats.respond, store, service, cancels),
                         inputs=[p.chats.list, p.pending, p.chatbot, *p.settings, p.highlight],
                         api_name="respond", **answer)

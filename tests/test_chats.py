@@ -80,7 +80,7 @@ def test_an_empty_message_stores_nothing(store):
 def test_stop_keeps_the_partial_answer_in_the_store(store):
     service, cancels = FakeService(), Cancels()
     stream = chats.respond(store, service, cancels, None, "Hi", [], *SETTINGS, request=session("me"))
-    next(stream), next(stream), next(stream)  # the user's turn, "Hello", "Hello there"
+    next(stream), next(stream)  # "Hello", "Hello there" (the page drew the user's turn itself)
     cancels.cancel("me")
     last = list(stream)[-1]
     (chat,) = store.chats()
@@ -101,9 +101,9 @@ def test_a_failed_answer_is_stored_as_the_page_shows_it(store, toasts):
 def test_while_streaming_saves_are_throttled_and_the_last_state_is_flushed(store, monkeypatch):
     monkeypatch.setattr(chats, "SAVE_EVERY_S", 3600.0)
     stream = chats.respond(store, FakeService(), Cancels(), None, "Hi", [], *SETTINGS, request=session())
-    shown = [next(stream) for _ in range(4)]  # the user's turn, then "Hello", "Hello there", "Hello there,"
+    shown = [next(stream) for _ in range(3)]  # "Hello", "Hello there", "Hello there," (the page drew the user's turn)
     (chat,) = store.chats()
-    assert stored(store, chat.id) == [{"role": "user", "content": "Hi"}]  # the first save is at once
+    assert stored(store, chat.id) == [{"role": "user", "content": "Hi"}]  # saved at once, before the answer
     stream.close()  # the page went away mid-answer
     assert stored(store, chat.id) == text_rows(shown[-1][0])
 
@@ -111,7 +111,7 @@ def test_while_streaming_saves_are_throttled_and_the_last_state_is_flushed(store
 def test_a_killed_app_keeps_what_was_shown_before_the_last_save_interval(store, monkeypatch):
     monkeypatch.setattr(chats, "SAVE_EVERY_S", 0.0)
     stream = chats.respond(store, FakeService(), Cancels(), None, "Hi", [], *SETTINGS, request=session())
-    shown = [next(stream) for _ in range(3)]
+    shown = [next(stream) for _ in range(2)]
     # A kill runs no `finally`: only what was saved while streaming is there when the app restarts.
     again = ChatStore(store.path)
     (chat,) = again.chats()
@@ -169,7 +169,7 @@ def test_killing_the_app_mid_answer_keeps_what_was_shown(tmp_path):
 def test_an_answer_cut_off_by_a_closed_page_says_so_when_reopened(store, monkeypatch, save_every_s):
     monkeypatch.setattr(chats, "SAVE_EVERY_S", save_every_s)
     stream = chats.respond(store, FakeService(), Cancels(), None, "Hi", [], *SETTINGS, request=session())
-    shown = [next(stream) for _ in range(3)]  # the user's turn, "Hello", "Hello there"
+    shown = [next(stream) for _ in range(2)]  # "Hello", "Hello there"
     stream.close()  # the page was closed or reloaded: Gradio closes the generator
     (chat,) = store.chats()
     answer = store.messages(chat.id)[-1]

@@ -46,7 +46,7 @@ def test_respond_streams_growing_text_and_stats(toasts):
     texts = assistant_texts(outputs)
     assert texts[0] == "Hello" and texts[-1] == "Hello there, friend."
     assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
-    assert outputs[0][0][-1] == {"role": "user", "content": "Hi!"}  # the user's turn shows at once
+    assert outputs[0][0][-2] == {"role": "user", "content": "Hi!"}  # the page drew it; each update keeps it
     final_chat, final_stats = outputs[-1]
     assert [m["role"] for m in final_chat] == ["user", "assistant", "user", "assistant"]
     assert "**5** tokens" in final_stats and "tok/s" in final_stats and "EAGLE" in final_stats
@@ -57,12 +57,20 @@ def test_respond_streams_growing_text_and_stats(toasts):
     assert toasts == [("info", "Dropped the 2 oldest turns to fit the context.", {"duration": 6})]
 
 
+def test_a_message_the_page_drew_as_it_sent_it_is_answered_once():
+    service = FakeService()
+    drawn = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}, {"role": "user", "content": "Hi!"}]
+    outputs = run(service, "Hi!", drawn)
+    assert service.calls[0].messages == drawn
+    assert [m["role"] for m in outputs[-1][0]] == ["user", "assistant", "user", "assistant"]
+
+
 def test_a_fast_stream_is_shown_a_few_times_a_second_and_always_at_its_end(monkeypatch):
-    """200 events in a burst: the page gets the user's turn, the first piece and the finished
-    answer, not 200 re-renders of the whole chat."""
+    """200 events in a burst: the page gets the first piece and the finished answer, not 200
+    re-renders of the whole chat."""
     monkeypatch.setattr(handlers, "SHOW_EVERY_S", 60.0)
     outputs = run(FakeService(words=tuple(f" w{i}" for i in range(200))), "Hi")
-    assert len(outputs) == 3
+    assert len(outputs) == 2
     assert assistant_texts(outputs)[-1].split() == [f"w{i}" for i in range(200)] and "**200** tokens" in outputs[-1][1]
 
 
@@ -76,7 +84,7 @@ def test_empty_message_changes_nothing():
 def test_stop_sets_the_flag_the_service_sees_and_keeps_the_partial_answer():
     service, cancels = FakeService(), Cancels()
     stream = handlers.respond(service, cancels, "Hi", [], *SETTINGS, request=session("me"))
-    outputs = [next(stream), next(stream), next(stream)]  # user turn, "Hello", "Hello there"
+    outputs = [next(stream), next(stream)]  # "Hello", "Hello there"
     handlers.stop(cancels, session("other"))  # another tab's Stop leaves this reply alone
     assert not service.calls[0].cancel.is_set()
     handlers.stop(cancels, session("me"))
