@@ -180,13 +180,19 @@ NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False}
 # one session, ms at 1 / 2 / 3 / 4 / 8 tokens: 7.24 / 8.77 / 11.39 / 11.45 / 19.10 with the
 # teams, 6.33 / 6.76 / 7.91 / 8.11 / 14.04 without.
 ONE_THREAD = {"cpp.threads": 1}
+# Inductor's wrapper in C++: its Python wrapper called each of a verify's ~300 kernels and 4-bit
+# linears from Python, ~1 ms of a 6-7 ms token of the embedded model. Built apart from the kernels,
+# which kept its first compile near the Python wrapper's (target 1 token 29 vs 23 s, 2-16 tokens 42 s).
+# 2-core Zen 4, 8 MT-bench prompts x 128 tokens, the same engine alternating graph folders, median of
+# 3: plain 112.5 -> 127.1 tok/s, EAGLE d0k1n2 133.6 -> 143.3, the same tokens in every answer.
+CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
 def precompile(job: GraphJob, folder: Path) -> Path:
     """Trace and compile job.fn(*job.args) whole, without running it, into folder/job.name; -> the file."""
     mark_rows(job.args, job.rows)
     compiled = torch.compile(job.fn, fullgraph=True, dynamic=False, options={"guard_filter_fn": no_guards})
-    with torch.inference_mode(), torch._inductor.config.patch({**NO_ASSERTS, **ONE_THREAD}):  # as verifies and drafts run
+    with torch.inference_mode(), torch._inductor.config.patch({**NO_ASSERTS, **ONE_THREAD, **CPP_WRAPPER}):  # as verifies and drafts run
         fn = compiled.aot_compile((job.args, {}))
     folder.mkdir(parents=True, exist_ok=True)
     fn.save_compiled_function(str(folder / job.name))  # written whole or not at all
