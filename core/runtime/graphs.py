@@ -181,10 +181,11 @@ NO_ASSERTS = {"size_asserts": False, "alignment_asserts": False}
 # teams, 6.33 / 6.76 / 7.91 / 8.11 / 14.04 without.
 ONE_THREAD = {"cpp.threads": 1}
 # Inductor's wrapper in C++: its Python wrapper called each of a verify's ~300 kernels and 4-bit
-# linears from Python, ~1 ms of a 6-7 ms token of the embedded model. Built apart from the kernels,
-# which kept its first compile near the Python wrapper's (target 1 token 29 vs 23 s, 2-16 tokens 42 s).
-# 2-core Zen 4, 8 MT-bench prompts x 128 tokens, the same engine alternating graph folders, median of
-# 3: plain 112.5 -> 127.1 tok/s, EAGLE d0k1n2 133.6 -> 143.3, the same tokens in every answer.
+# linears from Python. 2-core Zen 4, the target's graphs alternated, median of 80 calls, 1 / 2 / 4 /
+# 8 tokens: 0.56 / 0.85 / 0.78 / 0.88 ms less a verify of 5-13 ms; 8 MT-bench prompts x 128 tokens,
+# one engine alternating graph folders, median of 4: plain 112.5 -> 124.8 tok/s, EAGLE d0k1n2
+# 131.4 -> 145.1, the same tokens in every answer. Built apart from the kernels, the four graphs
+# compiled in 62 s from cold caches, against 87 s with the Python wrapper.
 CPP_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
