@@ -73,8 +73,8 @@ class PositionalAcceptance:
 def node_pools(q: list[list[float]], top_k: int) -> Iterator[list[float]]:
     """For depth 0, 1, 2, ... at this top_k: P(accepted) of every node EAGLE-2 drafts, best first;
     q (D, R) as lists. Each depth adds the children of the last level's top_k best nodes (EAGLE-2's
-    frontier), so every depth's pool is one step from the one before. Python floats: the tensors' per-op dispatch made best_shape's
-    56 pools take ~3 ms of a plan's 10 on the 2-core Zen 4."""
+    frontier), so every depth's pool is one step from the one before. Python floats: with tensors,
+    the per-op dispatch made best_shape's 56 pools ~3 ms of a plan's 10 on the 2-core Zen 4."""
     frontier, pool = [1.0], []
     for level in itertools.count():
         accept = q[min(level, len(q) - 1)][:top_k]
@@ -117,7 +117,8 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
     depths = [pins.depth] if pins.depth is not None else range(deepest + 1)
     widths = [1] if chain else ([pins.top_k] if pins.top_k else TOP_KS)
     verify_ms = functools.cache(lambda n: profile.round(n, context))  # a size's verify is the same for every shape
-    pools = {k: node_pools(q.tolist(), k) for k in widths}
+    rows = q.tolist()
+    pools = {k: node_pools(rows, k) for k in widths}
     best, to_beat = None, 0.0
     for depth in range(max(depths) + 1):
         for k in widths:
