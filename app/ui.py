@@ -61,8 +61,8 @@ def launch_options() -> dict[str, Any]:
 # Send: the message drawn at once as the chat's last turn (Gradio 6's message format) and the stats
 # line marked busy, in the page; respond's first update then brings the answer. Drawn by a first
 # update from the server instead, the page's redraw took the cores from the prefill (2-core Zen 4).
-SHOW_SENT = """(text, chat) => { const sent = text.trim(), skip = {__type__: "update"};
-  return [text, sent ? [...chat, {role: "user", metadata: null, options: null, content: [{type: "text", text: sent}]}]
+SHOW_SENT = """(text, chat) => { const sent = (text || "").trim(), skip = {__type__: "update"};
+  return [text, sent ? [...(chat || []), {role: "user", metadata: null, options: null, content: [{type: "text", text: sent}]}]
           : skip, sent ? "…" : skip, ...%s]; }"""
 
 
