@@ -264,8 +264,8 @@ def sent_chat(message: Any, history: Any) -> Chat | None:
     text = content_text(message).strip()
     if not text:
         return None
-    chat = normalise_history(history)
-    return (chat[:-1] if chat[-1:] == [{"role": "user", "content": text}] else chat) + [{"role": "user", "content": text}]
+    chat, turn = normalise_history(history), {"role": "user", "content": text}
+    return (chat[:-1] if chat[-1:] == [turn] else chat) + [turn]
 
 
 def respond(service: ChatServiceApi, cancels: Cancels, message: Any, history: Any, system_prompt: str,
