@@ -19,6 +19,7 @@ from typing import Any
 import gradio as gr
 
 from app import chats, compare, handlers, model_panel, monitor, race, saved_settings
+from app.page_scripts import CONFIRM_DELETE, DRAW_SENT, SHOW_SENT, in_page
 from app.private import private_temp_dir
 from app.store import ChatStore
 from core.config import SamplingConfig
@@ -30,9 +31,7 @@ MONITOR_S = 2.0    # seconds between monitor refreshes
 # Gradio's copies of exported chats: every minute, those older than ten minutes are deleted (a
 # download follows its export within seconds), and all of them when the server stops.
 EXPORT_CACHE = (60, 600)
-# Delete asks first; declining sends no chat id, and chats.delete then does nothing.
-CONFIRM_DELETE = ("(chat, highlight) => [chat !== null && confirm('Delete this chat? This cannot be undone.') "
-                  "? chat : null, highlight]")
+
 
 
 @dataclass(frozen=True)
@@ -56,24 +55,6 @@ def launch_options() -> dict[str, Any]:
         font_mono=("ui-monospace", "SFMono-Regular", "monospace"),
     )
     return {"css": CSS_PATH.read_text(encoding="utf-8"), "theme": theme}
-
-
-# Send: the message drawn at once as the chat's last turn (Gradio 6's message format) and the stats
-# line marked busy, in the page; respond's first update then brings the answer. Drawn by a first
-# update from the server instead, the page's redraw took the cores from the prefill (2-core Zen 4).
-SHOW_SENT = """(text, chat) => { const sent = (text || "").trim(), skip = {__type__: "update"};
-  return [text, sent ? [...(chat || []), {role: "user", metadata: null, options: null, content: [{type: "text", text: sent}]}]
-          : skip, sent ? "…" : skip, ...%s]; }"""
-
-
-def in_page(updates: tuple[dict, ...], passed: int = 0) -> dict[str, Any]:
-    """An event's keywords to run it in the browser alone: it returns its first `passed` inputs as
-    they are, then `updates` (gr.update dicts). Locking and unlocking the controls around an answer
-    so costs no round trip to the server: on the AMX Xeon such trips put 100-150 ms on every answer
-    in the page (50-70 ms before it could start, 80-110 ms between its last text and Send; 30-60 after)."""
-    args = ", ".join(f"x{i}" for i in range(passed))
-    return {"fn": None, "js": f"({args}) => [{args}{', ' if passed else ''}...{json.dumps(list(updates))}]",
-            "queue": False, "api_visibility": "private"}
 
 
 def bind(fn: Callable, *deps: Any) -> Callable:
@@ -169,9 +150,9 @@ def _chat_panel() -> SimpleNamespace:
         racing = gr.Button("Race drafters", scale=1, min_width=140, elem_id="aerie-race")
     highlight = gr.Checkbox(False, label="Highlight drafted tokens", container=False, elem_id="aerie-highlight",
                             info="Marks the text of draft tokens the model accepted (shows answers as raw text)")
-    pending = gr.Textbox(visible=False)  # the message on its way from the textbox to respond
+    draw_sent = gr.Button("Draw the sent message", visible="hidden", elem_id="aerie-draw-sent")  # DRAW_SENT clicks it
     return SimpleNamespace(chatbot=chatbot, stats=stats, textbox=textbox, send=send, stop=stop,
-                           regen=regen, ab=ab, race=racing, highlight=highlight, pending=pending)
+                           regen=regen, ab=ab, race=racing, highlight=highlight, draw_sent=draw_sent)
 
 
 def _chats_panel() -> SimpleNamespace:
@@ -216,7 +197,9 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
     # engine (on the 2-core Xeon ~0.1 s of the browser's CPU a tick, a tenth of a 128-token answer's).
     locked = chats.controls("answering") + (gr.update(active=False),)
     idle = chats.controls("idle") + (gr.update(active=True),)
-    gr.on([p.textbox.submit, p.send.click, p.regen.click, p.ab.click, p.race.click], outputs=[*c.lock, p.monitor],
+    # Send's locks come with the drawing of its message: listeners of one event run one after
+    # another in the page, and Enter's first is respond, whose stream lasts the whole answer.
+    gr.on([p.draw_sent.click, p.regen.click, p.ab.click, p.race.click], outputs=[*c.lock, p.monitor],
           **in_page(locked))
     for answer in answers:
         answer.then(outputs=[*c.lock, p.monitor], **in_page(idle))
@@ -236,13 +219,12 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
               "concurrency_limit": 1, "show_progress": "hidden"}
 
     locking, unlock = in_page(handlers.controls("answering")), in_page(handlers.controls("idle"))
-    # Send parks the message in `pending` and empties the textbox in the page, so respond starts at once.
-    send = gr.on([p.textbox.submit, p.send.click], inputs=[p.textbox, p.chatbot], outputs=[p.pending, p.chatbot, p.stats, *lock],
-                 fn=None, js=SHOW_SENT % json.dumps(list(handlers.controls("answering", clear_textbox=True))),
-                 queue=False, api_visibility="private")
-    respond = send.then(bind(chats.respond, store, service, cancels),
-                        inputs=[p.chats.list, p.pending, p.chatbot, *p.settings, p.highlight],
-                        api_name="respond", **answer)
+    p.draw_sent.click(inputs=[p.textbox, p.chatbot], outputs=[p.chatbot, p.stats, *lock], fn=None,
+                      js=SHOW_SENT % json.dumps(list(handlers.controls("answering", clear_textbox=True))),
+                      queue=False, api_visibility="private")
+    respond = gr.on([p.textbox.submit, p.send.click], bind(chats.respond, store, service, cancels),
+                    inputs=[p.chats.list, p.textbox, p.chatbot, *p.settings, p.highlight], js=DRAW_SENT,
+                    api_name="respond", **answer)
     respond.then(outputs=lock, **unlock)
     regenerate = p.regen.click(outputs=lock, **locking).then(
         bind(chats.regenerate, store, service, cancels), inputs=[p.chats.list, p.chatbot, *p.settings, p.highlight],

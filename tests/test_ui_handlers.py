@@ -260,9 +260,9 @@ def test_the_header_names_the_drafter_for_people(drafter, shown):
 
 
 def test_send_locks_the_controls_in_the_page():
-    """Send runs in the browser: the message passes on to `pending`, then the answering controls."""
+    """Send locks the controls in the browser, the textbox emptied, Stop shown in place of Send."""
     import json
-    from app.ui import in_page
+    from app.page_scripts import in_page
 
     updates = handlers.controls("answering", clear_textbox=True)
     textbox, send, stop, *_ = updates
