@@ -292,6 +292,21 @@ def test_build_ui_constructs_and_wires_the_request(tmp_path):
     assert args == ["REQ"]
 
 
+def test_the_queue_looks_for_events_less_often(tmp_path):
+    """build_ui slows Gradio's free-queue poll (ui.QUEUE_POLL_S): the attribute it sets must be the
+    one Gradio's queue loop reads, not a new one a Gradio update would leave unread."""
+    import inspect
+
+    from gradio import queueing
+
+    from app.store import ChatStore
+    from app.ui import QUEUE_POLL_S, UiDefaults, build_ui
+
+    assert "self.sleep_when_free" in inspect.getsource(queueing.Queue.start_processing)
+    demo = build_ui(FakeService(), UiDefaults(), store=ChatStore(tmp_path / "chats.sqlite3"))
+    assert demo._queue.sleep_when_free == QUEUE_POLL_S > 0.001
+
+
 def test_app_does_not_import_torch():
     code = "import app.ui, app.handlers, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
