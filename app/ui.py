@@ -157,8 +157,9 @@ def _chat_panel() -> SimpleNamespace:
     highlight = gr.Checkbox(False, label="Highlight drafted tokens", container=False, elem_id="aerie-highlight",
                             info="Marks the text of draft tokens the model accepted (shows answers as raw text)")
     draw_sent = gr.Button("Draw the sent message", visible="hidden", elem_id="aerie-draw-sent")  # DRAW_SENT clicks it
+    answered = gr.Number(visible="hidden", elem_id="aerie-answered")  # chats.answered: its change unlocks the page
     return SimpleNamespace(chatbot=chatbot, stats=stats, textbox=textbox, send=send, stop=stop,
-                           regen=regen, ab=ab, race=racing, highlight=highlight, draw_sent=draw_sent)
+                           regen=regen, ab=ab, race=racing, highlight=highlight, draw_sent=draw_sent, answered=answered)
 
 
 def _chats_panel() -> SimpleNamespace:
@@ -208,7 +209,7 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
     gr.on([p.draw_sent.click, p.regen.click, p.ab.click, p.race.click], outputs=[*c.lock, p.monitor],
           **in_page(locked))
     respond, regenerate, ab, raced = answers
-    for answer in (respond, regenerate):  # these unlock in their last update (chats.unlocked)
+    for answer in (respond, regenerate):  # these unlock with their last update (chats.answered)
         answer.failure(outputs=[*c.lock, p.monitor], **in_page(idle))
     for answer in (ab, raced):
         answer.then(outputs=[*c.lock, p.monitor], **in_page(idle))
@@ -226,13 +227,17 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
     # the API with it, 0.80 against 0.67 without). The streaming text, Stop and the stats line show it runs.
     answer = {"outputs": [p.chatbot, p.stats, p.chats.list, p.chats.title], "concurrency_id": ENGINE,
               "concurrency_limit": 1, "show_progress": "hidden"}
-    # Respond and regenerate unlock the page in their last update (chats.unlocked): a Send pressed
-    # before their completion reaches the page waits for it (always_last) instead of being dropped.
-    # No status on any output (show_progress_on []): each of the event's queue messages set one on
-    # every output, whose hidden trackers still ran timers; 4 prompts x 64 tokens x 2 in the page,
-    # 2-core Zen 4: Chromium's CPU per answer 204 -> 148 ms, the server's 806 -> 686.
-    saved = {**answer, "outputs": [*answer["outputs"], *lock, p.chats.new, p.chats.delete, p.monitor],
-             "trigger_mode": "always_last", "show_progress_on": []}
+    # Respond and regenerate end with a new `answered` value, whose change unlocks the page at once
+    # (chats.answered); a Send pressed before their completion reaches the page waits for it
+    # (always_last) instead of being dropped. No status on any output (show_progress_on []): each
+    # of the event's queue messages set one on every output, whose hidden trackers still ran
+    # timers; 4 prompts x 64 tokens x 2 in the page, 2-core Zen 4: Chromium's CPU per answer
+    # 204 -> 148 ms, the server's 806 -> 686. Every output an update leaves as it is costs Gradio
+    # a component built from it (~0.4 ms of the server's GIL each), so the controls are not outputs.
+    saved = {**answer, "outputs": [*answer["outputs"], p.answered], "trigger_mode": "always_last",
+             "show_progress_on": []}
+    idle = handlers.controls("idle") + chats.controls("idle") + (gr.update(active=True),)
+    p.answered.change(outputs=[*lock, *p.chats.lock, p.monitor], **in_page(idle))
 
     locking, unlock = in_page(handlers.controls("answering")), in_page(handlers.controls("idle"))
     p.draw_sent.click(inputs=[p.textbox, p.chatbot], outputs=[p.chatbot, p.stats, *lock], fn=None,

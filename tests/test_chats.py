@@ -55,10 +55,8 @@ def test_a_first_message_creates_the_chat_and_lists_it(store):
     assert outputs[-1][3] == "Plan a trip to Lisbon"  # the title box of the new chat
     assert outputs[-1][:2] == outputs[-2][:2]  # with the last update again
     assert all(o[2] == o[3] == gr.skip() for o in outputs[:-1])  # sent once, skipped before
-    # The last update unlocks the page: the list usable, Send back, Stop hidden, the monitor on again.
-    assert listed["interactive"] is True and outputs[-1][4:] == chats.unlocked(gr.skip(), gr.skip())[2:]
-    assert outputs[-1][5]["visible"] is True and outputs[-1][6]["visible"] is False and outputs[-1][-1]["active"]
-    assert all(o[4:] == chats.LOCKED for o in outputs[:-1])  # the controls stay locked before
+    # The last update, and only it, sets `answered`: the page unlocks its controls on its change.
+    assert isinstance(outputs[-1][4], float) and all(o[4] == gr.skip() for o in outputs[:-1])
     assert stored(store, chat.id) == text_rows(outputs[-1][0]) == [
         {"role": "user", "content": "Plan a trip to Lisbon"}, {"role": "assistant", "content": "Hello there, friend."}]
 
@@ -79,7 +77,7 @@ def test_answers_start_from_the_stored_chat_not_the_page(store):
 def test_an_empty_message_stores_nothing(store):
     outputs = say(store, FakeService(), None, "   ")
     assert len(outputs) == 1 and store.chats() == []
-    assert outputs[0][5]["visible"] is True and outputs[0][4]["interactive"] is True  # Send's locks undone
+    assert isinstance(outputs[0][4], float)  # `answered`: the page undoes Send's locks
 
 
 def test_stop_keeps_the_partial_answer_in_the_store(store):
@@ -319,5 +317,5 @@ def test_build_ui_wires_the_chats_panel(store):
     assert switch.outputs[-1].label == "Exported chat"  # a chat switch reaches the export box
     respond = next(fn for fn in demo.fns.values() if fn.api_name == "respond")
     # chat, stats, the chat list and title, then the controls its last update unlocks
-    assert respond.name == "respond" and len(respond.outputs) == 4 + len(chats.LOCKED)
+    assert respond.name == "respond" and len(respond.outputs) == 5 and respond.outputs[-1].elem_id == "aerie-answered"
     assert respond.trigger_mode == "always_last"  # a Send before its completion waits, not dropped
