@@ -137,8 +137,8 @@ def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, hi
     then once the answer is done the last of them again (Gradio sends a stream's outputs as diffs)
     with the chat list and title box (a new chat appears with its title, an old one moves to the
     top; sent with the first update, their redraw in the browser took the engine's cores during
-    the prefill) and the controls unlocked (`unlocked`). Closed before the stream ended, it saves
-    the answer marked interrupted."""
+    the prefill) and `answered` (the page unlocks its controls on it). Closed before the stream
+    ended, it saves the answer marked interrupted."""
     ended, shown = False, (gr.skip(), gr.skip())
     try:
         for chat, stats in stream:
@@ -147,9 +147,9 @@ def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, hi
                     recorder.offer(chat)
                 chat = answers.view(chat, highlight)
             shown = chat, stats
-            yield *shown, gr.skip(), gr.skip(), *LOCKED
+            yield *shown, gr.skip(), gr.skip(), gr.skip()
         listing = _listing(store, recorder) if recorder is not None else None
-        yield *shown, *unlocked(*(listing or (gr.skip(), gr.skip())))
+        yield *shown, *(listing or (gr.skip(), gr.skip())), answered()
         ended = True
     finally:
         stream.close()  # a closed page: stop the engine first, then save what was shown
@@ -159,27 +159,21 @@ def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, hi
             recorder.flush()
 
 
-# After (chat, stats, chat list, title box), respond and regenerate update the controls Send locks
-# in the page: handlers.controls' seven, New chat, Delete and the monitor's timer. LOCKED leaves them.
-LOCKED = (gr.skip(),) * 10
-
-
-def unlocked(chat_list: dict, title: Any) -> tuple:
-    """An answer's last update: the chat list (made usable again), the title box and the controls
-    back to idle. Sent with the answer's end, not after the event's completion (a round trip and
-    the store's last write later: 20-50 ms an answer on the 2-core Zen 4); only a failed event
-    unlocks the page afterwards (ui.py)."""
-    usable, new, delete = controls("idle")
-    return {**chat_list, **usable}, title, *handlers.controls("idle"), new, delete, gr.update(active=True)
+def answered() -> float:
+    """A new value for the page's hidden `answered` number, the last output of respond and
+    regenerate: its change unlocks the controls in the page (ui.py) with the answer's last update,
+    not after the event's completion (a round trip and the store's last write later). Only a
+    failed event unlocks them afterwards."""
+    return time.monotonic()
 
 
 def respond(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id: int | None, message: Any, history: Any,
             system_prompt: str, temperature: Any, top_p: Any, top_k: Any, seed: Any, max_new_tokens: Any,
             stop_text: Any, highlight: bool = False, request: gr.Request | None = None) -> Iterator[tuple]:
     """handlers.respond into chat `chat_id` (None: a new chat), saved as it streams;
-    yields (chat, stats, chat list, title box, *the controls Send locked)."""
+    yields (chat, stats, chat list, title box, answered)."""
     if not handlers.content_text(message).strip():
-        yield gr.skip(), gr.skip(), *unlocked(gr.skip(), gr.skip())
+        yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), answered()
         return
     recorder, history = _open(store, chat_id, history, create=True)
     if recorder is not None:
