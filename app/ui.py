@@ -39,7 +39,6 @@ QUEUE_POLL_S = 0.005
 EXPORT_CACHE = (60, 600)
 
 
-
 @dataclass(frozen=True)
 class UiDefaults:
     """The page's starting values; launch.py fills them from the command line."""
