@@ -21,7 +21,9 @@ SHOW_SENT = """(text, chat) => { const sent = (text || "").trim(), skip = {__typ
   return [sent ? [...(chat || []), {role: "user", metadata: null, options: null, content: [{type: "text", text: sent}]}]
           : skip, sent ? "…" : skip, ...%s]; }"""
 # Respond's inputs are gathered before this runs: the textbox still holds the message.
-DRAW_SENT = """(...inputs) => { document.getElementById("aerie-draw-sent").click(); return inputs; }"""
+DRAW_SENT_ID = "aerie-draw-sent"   # the hidden button's elem_id (ui.py)
+DRAW_SENT = """(...inputs) => { document.getElementById(%s).click(); return inputs; }""" % json.dumps(DRAW_SENT_ID)
+
 
 def in_page(updates: tuple[dict, ...], passed: int = 0) -> dict[str, Any]:
     """An event's keywords to run it in the browser alone: it returns its first `passed` inputs as

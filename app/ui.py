@@ -19,7 +19,7 @@ from typing import Any
 import gradio as gr
 
 from app import chats, compare, handlers, model_panel, monitor, race, saved_settings
-from app.page_scripts import CONFIRM_DELETE, DRAW_SENT, SHOW_SENT, in_page
+from app.page_scripts import CONFIRM_DELETE, DRAW_SENT, DRAW_SENT_ID, SHOW_SENT, in_page
 from app.private import private_temp_dir
 from app.store import ChatStore
 from core.config import SamplingConfig
@@ -155,7 +155,7 @@ def _chat_panel() -> SimpleNamespace:
         racing = gr.Button("Race drafters", scale=1, min_width=140, elem_id="aerie-race")
     highlight = gr.Checkbox(False, label="Highlight drafted tokens", container=False, elem_id="aerie-highlight",
                             info="Marks the text of draft tokens the model accepted (shows answers as raw text)")
-    draw_sent = gr.Button("Draw the sent message", visible="hidden", elem_id="aerie-draw-sent")  # DRAW_SENT clicks it
+    draw_sent = gr.Button("Draw the sent message", visible="hidden", elem_id=DRAW_SENT_ID)  # DRAW_SENT clicks it
     answered = gr.Number(visible="hidden", elem_id="aerie-answered")  # chats.answered: its change unlocks the page
     return SimpleNamespace(chatbot=chatbot, stats=stats, textbox=textbox, send=send, stop=stop,
                            regen=regen, ab=ab, race=racing, highlight=highlight, draw_sent=draw_sent, answered=answered)
@@ -208,7 +208,8 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
     gr.on([p.draw_sent.click, p.regen.click, p.ab.click, p.race.click], outputs=[*c.lock, p.monitor],
           **in_page(locked))
     respond, regenerate, ab, raced = answers
-    for answer in (respond, regenerate):  # these unlock with their last update (chats.answered)
+    p.answered.change(outputs=[*c.lock, p.monitor], **in_page(idle))  # respond's and regenerate's last update
+    for answer in (respond, regenerate):
         answer.failure(outputs=[*c.lock, p.monitor], **in_page(idle))
     for answer in (ab, raced):
         answer.then(outputs=[*c.lock, p.monitor], **in_page(idle))
@@ -235,10 +236,9 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
     # a component built from it (~0.4 ms of the server's GIL each), so the controls are not outputs.
     saved = {**answer, "outputs": [*answer["outputs"], p.answered], "trigger_mode": "always_last",
              "show_progress_on": []}
-    idle = handlers.controls("idle") + chats.controls("idle") + (gr.update(active=True),)
-    p.answered.change(outputs=[*lock, *p.chats.lock, p.monitor], **in_page(idle))
 
     locking, unlock = in_page(handlers.controls("answering")), in_page(handlers.controls("idle"))
+    p.answered.change(outputs=lock, **unlock)  # the Chats panel and the monitor: _wire_chats
     p.draw_sent.click(inputs=[p.textbox, p.chatbot], outputs=[p.chatbot, p.stats, *lock], fn=None,
                       js=SHOW_SENT % json.dumps(list(handlers.controls("answering", clear_textbox=True))),
                       queue=False, api_visibility="private")

@@ -316,6 +316,6 @@ def test_build_ui_wires_the_chats_panel(store):
     switch = next(fn for fn in demo.fns.values() if fn.name == "switch")
     assert switch.outputs[-1].label == "Exported chat"  # a chat switch reaches the export box
     respond = next(fn for fn in demo.fns.values() if fn.api_name == "respond")
-    # chat, stats, the chat list and title, then the controls its last update unlocks
+    # chat, stats, the chat list and title, then `answered`, whose change unlocks the page
     assert respond.name == "respond" and len(respond.outputs) == 5 and respond.outputs[-1].elem_id == "aerie-answered"
     assert respond.trigger_mode == "always_last"  # a Send before its completion waits, not dropped
