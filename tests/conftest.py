@@ -136,11 +136,16 @@ def compiling_beside() -> bool:
 
 def start_aerie(cache_dir: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`launch.py --no-browser` in a subprocess; -> (process, base URL) once it says it is ready.
-    Its later lines: `wait_for(proc, prefix)`; `proc.tuned` is set once it printed TUNED. Beside the
-    first start's compile it runs torch on one thread (`one_thread_beside_the_first_start`)."""
+    Its later lines: `wait_for(proc, prefix)`; `proc.tuned` is set once it printed TUNED. It starts
+    once the first start's child has compiled (tests that start one are marked `late`, so that is
+    rarely a wait): on two threads, as the first start timed this CPU's kernels and stored them
+    under a key that counts threads; a server on one thread beside the compile timed them all
+    again, on one core (a minute of the suite)."""
+    deadline = time.monotonic() + 600
+    for proc in FIRST_STARTS:   # its event, not its line: first_start_tuned reads that
+        while proc.poll() is None and not proc.tuned.wait(1) and time.monotonic() < deadline:
+            pass
     env = dict(os.environ if env is None else env)
-    if compiling_beside():
-        env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--no-browser", "--port", str(free_port()),
                              "--cache-dir", str(cache_dir), *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -177,8 +182,11 @@ def pytest_collection_modifyitems(items):
     def end(item) -> str | None:
         marker = item.get_closest_marker("first_start")
         return marker.args[0] if marker else None
-    items[:] = ([i for i in items if end(i) == "open"] + [i for i in items if end(i) not in ("open", "close")]
-                + [i for i in items if end(i) == "close"])
+    def late(item) -> bool:
+        return item.get_closest_marker("late") is not None
+    items[:] = ([i for i in items if end(i) == "open"]
+                + [i for i in items if end(i) not in ("open", "close") and not late(i)]
+                + [i for i in items if late(i)] + [i for i in items if end(i) == "close"])
 
 
 @pytest.fixture(scope="session")

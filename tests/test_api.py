@@ -218,6 +218,7 @@ def test_the_service_answers_one_reply_at_a_time():
 
 
 @pytest.mark.slow
+@pytest.mark.late
 def test_openai_client_streams_from_a_real_aerie(embedded_dir, cache_dir):
     openai = pytest.importorskip("openai")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "AERIE_API_KEY": KEY}

@@ -19,7 +19,7 @@ from tests.browser import (ANSWERED, CHROMIUM, SCREENSHOT, SEE_MS, STATS, VIEWPO
                            new_chat, open_page, questions, seen, set_max_tokens, shown_chat, stats, sync_api)
 from tests.conftest import start_aerie
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.late,
               pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)")]
 
 

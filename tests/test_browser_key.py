@@ -10,7 +10,7 @@ from tests.conftest import start_aerie
 from tests.fakes import KEY
 from tests.browser import ANSWERS, CHROMIUM, RECORDER, SEE_MS, VIEWPORT, ask, button, expect, stats, sync_api
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.late,
               pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"no Chromium at {CHROMIUM} (apt-get install chromium)")]
 
 

@@ -134,6 +134,7 @@ def fn_index(url: str, api_name: str, headers: dict) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.late
 def test_a_real_aerie_guards_its_page_and_api_and_keeps_exports_private(embedded_dir, cache_dir, tmp_path):
     data, tmp = tmp_path / "data", tmp_path / "tmp"
     tmp.mkdir()

@@ -13,7 +13,7 @@ from core.config import ReplyStats, SamplingConfig
 from core.runtime.memory import storage, tensor_bytes
 from core.tune.monitor import engine_memory, gpu_bars, snapshot
 from core.tune.probe import GpuReading, Probe
-from core.tune.latency import cached_profile, profile_mismatch, shape_mismatch
+from core.tune.latency import LatencyProfile, cached_profile, profile_mismatch, shape_mismatch
 from tests.conftest import load_tuned_tiny
 from tests.fakes import FakeNvml
 
@@ -67,6 +67,17 @@ def test_a_stored_profile_must_keep_the_shape_of_this_machines_costs():
     assert shape_mismatch((1, 2, 4), [10.0, 11.5, 13.5], [10.0, 11.0, 13.0]) is None      # within 15%
     why = shape_mismatch((1, 2, 4), [15.8, 22.9, 24.8], [10.0, 10.4, 12.0])               # session 12's busy minute
     assert why is not None and why.startswith("a 2-token round costs 1.45x")
+
+
+@pytest.mark.parametrize("checks, off", [([[30.0, 40.0, 50.0], [10.0, 11.0, 13.0]], False),   # one noisy check
+                                         ([[30.0, 40.0, 50.0], [10.0, 20.0, 30.0]], True)])   # off twice
+def test_a_profile_is_measured_again_only_if_every_check_finds_it_off(loaded, monkeypatch, checks, off):
+    profile = LatencyProfile(sizes=(1, 2, 4), round_ms=(10.0, 11.0, 13.0), contexts=(32, 512), slope_sizes=(1,),
+                             slope_ms=(0.0,))
+    measured = iter(checks)
+    monkeypatch.setattr("core.tune.latency.rounds", lambda *args: next(measured))
+    why = profile_mismatch(loaded.engine, profile)
+    assert (why is not None) == off and next(measured, None) is None   # both checks ran; the second decided
 
 
 def test_the_check_reads_a_real_engine_and_keeps_a_fresh_profile(loaded):
