@@ -91,6 +91,7 @@ class StrategyResult:
     ties: list[set[int]] = field(default_factory=list)   # per prompt: offsets of near-tie choices
     peak_mem_mb: float = 0.0
     served: ServedTally | None = None   # the same prompts through a live server (--serve)
+    served_by_category: dict[str, ServedTally] = field(default_factory=lambda: defaultdict(ServedTally))
     paged: ServedTally | None = None    # and typed into its page in Chromium (--page): the tuned eagle only
 
     @property
@@ -299,7 +300,9 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
             res.peak_mem_mb = max(res.peak_mem_mb, peak)
             if res.served is not None:
                 answer = serve.answer(texts[i], max_new, SERVED[name])
-                res.served.add(answer, answer.text == target.tokenizer.decode(out, skip_special_tokens=True))
+                same = answer.text == target.tokenizer.decode(out, skip_special_tokens=True)
+                res.served.add(answer, same)
+                res.served_by_category[prompt.category].add(answer, same)
                 if SERVED[name] is None:
                     shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
                     tuned = f"\n      served: {answer.strategy}{shown} ({answer.tuning})"
@@ -361,6 +364,10 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
             entry["trees_used"] = dict(t.trees.most_common())  # prompts per shape the tuner gave it
         if res.served is not None:
             entry["served"] = res.served.entry(t.tokens / t.seconds)
+            if results["plain"].served is not None:   # issue 17 pt 4 through the API: x served plain, per category
+                entry["served"]["xplain_by_category"] = {
+                    cat: round(v.tok_s / results["plain"].served_by_category[cat].tok_s, 3)
+                    for cat, v in res.served_by_category.items() if results["plain"].served_by_category[cat].tok_s}
         if res.paged is not None:
             entry["page"] = res.paged.entry(t.tokens / t.seconds)
         out["strategies"][name] = entry
@@ -380,6 +387,12 @@ def print_table(results: dict[str, StrategyResult]) -> None:
             acc = f"{t.accept_len:.2f}" if t.rounds else "  - "
             row += f"{t.tokens / t.seconds:>10.1f} {acc:>5} {(t.tokens / t.seconds) / (p.tokens / p.seconds):>5.2f}"
         print(row)
+    served = {name: res.served_by_category for name, res in results.items() if res.served is not None}
+    if "plain" in served and len(served) > 1:   # the same table through the API: x plain's served tok/s
+        print(f"{'served API':<12}" + "".join(f"{n:>22}" for n in served))
+        for cat in cats:
+            print(f"{cat:<12}" + "".join(f"{t[cat].tok_s:>10.1f} {'':>5} {t[cat].tok_s / served['plain'][cat].tok_s:>5.2f}"
+                                         for t in served.values()))
     for label, pick in (("served", lambda r: r.served), ("page", lambda r: r.paged)):
         live = {name: pick(res) for name, res in results.items()}   # wall-clock tok/s through the API / page, x the bench's
         if any(live.values()):

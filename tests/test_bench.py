@@ -90,9 +90,13 @@ def test_bench_serve_asks_a_live_server_for_the_same_answers(tiny_dir, cache_dir
     assert s["prompt_lookup"]["served"]["strategies_used"] == {"prompt_lookup": 2}
     assert s["eagle"]["served"]["strategies_used"] == {"eagle": 2}  # the server's tuner chose
     assert s["eagle"]["served"]["shown_speedup"] > 0  # what the page showed, beside the measured speedup_vs_plain
+    for name in ("plain", "prompt_lookup", "eagle"):  # per category, x the served plain answers of that category
+        by_category = s[name]["served"]["xplain_by_category"]
+        assert set(by_category) == {"writing", "roleplay"} and all(x > 0 for x in by_category.values())
+    assert s["plain"]["served"]["xplain_by_category"] == {"writing": 1.0, "roleplay": 1.0}
     assert len(service.tuner.turns) == 2  # only the tuned answers counted as its turns
     progress, table = capsys.readouterr().out.split("category", 1)
-    assert "served" in table  # the table's row
+    assert "served" in table and "served API" in table  # the summary row and the per-category block
     assert progress.count("served: eagle") == 2 and "(EAGLE" in progress  # per prompt: the server's choice and why
 
 
