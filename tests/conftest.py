@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.config import TUNED
+from core.service.worker import Worker
 from models.cpu_quant import onednn_runs
 from models.embedded import embedded_model_dir
 from models.head_config import head_config_for_target
@@ -208,6 +209,25 @@ def one_thread_beside_the_first_start():
     core only: with two threads, OpenMP's team waited on the thread the child displaced, and the
     compile-heavy tests took 1.3-1.6x as long (2-core Xeon)."""
     torch.set_num_threads(1 if compiling_beside() else THREADS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def workers_end_with_their_module():
+    """The torch worker threads a test module makes (its ChatServices', its own) end with it: an
+    idle one left alive kept its OpenMP team, and with more OpenMP threads than cores every later
+    test's parallel regions waited on wake-ups (core/service/worker.py); SpecExec's chi-square
+    test took 43-47 s after test_chat.py's module-scoped service and 17-19 s alone."""
+    made = []
+    start = Worker.__init__
+
+    def tracked(worker, *args, **kwargs):
+        start(worker, *args, **kwargs)
+        made.append(worker)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Worker, "__init__", tracked)
+        yield
+    for worker in made:
+        worker.close()
 
 
 @pytest.fixture(scope="session")

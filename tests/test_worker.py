@@ -92,3 +92,14 @@ def test_post_runs_after_the_queued_jobs_without_waiting_and_logs_a_failure(capl
     assert worker.call(lambda: list(order)) == ["queued", "posted"]
     assert "posted to the torch worker failed" in caplog.text and "lost" in caplog.text
     assert worker.call(lambda: worker.post(lambda: order.append("inline")) or order[-1]) == "inline"  # here: now
+
+
+def test_close_ends_the_thread_after_the_queued_jobs():
+    worker, ran = Worker(), []
+    thread = worker.call(threading.current_thread)
+    worker.post(lambda: ran.append(1))
+    worker.close()
+    assert ran == [1] and not thread.is_alive()
+    worker.close()   # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.call(lambda: 2)
