@@ -127,25 +127,11 @@ class Answer:
     stats: ReplyStats = ReplyStats()
     finish: str | None = None
     notices: tuple[str, ...] = ()
-    first: ReplyStats | None = None  # the stats when the first token came: the prefill's end
 
     def add(self, event: ReplyEvent) -> "Answer":
         notices = self.notices + ((event.notice,) if event.notice and event.notice not in self.notices else ())
-        first = self.first or (event.stats if event.stats.new_tokens else None)
         return replace(self, text=self.text + event.delta, stats=event.stats, finish=event.finish or self.finish,
-                       notices=notices, first=first)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first is None else self.first.elapsed_s
-
-    @property
-    def decode_tok_s(self) -> float:
-        """Tokens per second after the first: a long prompt's prefill does not dilute it."""
-        if self.first is None:
-            return 0.0
-        tokens, seconds = self.stats.new_tokens - self.first.new_tokens, self.stats.elapsed_s - self.first.elapsed_s
-        return tokens / seconds if seconds > 0 else 0.0
+                       notices=notices)
 
 
 def usage(stats: ReplyStats) -> dict:
@@ -158,8 +144,8 @@ def speculation(answer: Answer) -> dict:
     first token (the prefill), mean accepted length per target step (the bonus token included),
     the share of drafted tokens the target accepted, the measured speedup over plain decoding
     (None until the latency profile knows it), the drafter and the tuner's reason."""
-    s, ttft = answer.stats, answer.ttft_s
-    return {"tok_s": round(answer.decode_tok_s, 2), "ttft_s": None if ttft is None else round(ttft, 3),
+    s = answer.stats
+    return {"tok_s": round(s.decode_tok_s, 2), "ttft_s": round(s.prefill_s, 3) if s.new_tokens else None,
             "accept_len": round(s.accept_len, 3),
             "accept_rate": None if s.accept_rate is None else round(s.accept_rate, 3),
             "speedup": None if s.speedup is None else round(s.speedup, 3), "strategy": s.strategy,

@@ -252,7 +252,7 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
     regenerate.failure(outputs=lock, **unlock)
     ab = p.ab.click(outputs=lock, **locking).then(
         bind(compare.compare, store, service, cancels), inputs=[p.chats.list, p.highlight],
-        api_name="ab", **{**answer, "outputs": [p.chatbot, p.stats]})
+        api_name="ab", **{**answer, "outputs": [p.chatbot, p.stats], "show_progress_on": []})
     ab.then(outputs=lock, **unlock)
     raced = p.race.click(outputs=lock, **locking).then(
         bind(race.race, store, service, cancels), inputs=[p.chats.list, p.highlight],

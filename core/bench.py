@@ -299,6 +299,7 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
             res.by_category[prompt.category].add(tally)
             res.peak_mem_mb = max(res.peak_mem_mb, peak)
             if res.served is not None:
+                serve.evict()   # each served answer reads its whole prompt, as the bench's runs do
                 answer = serve.answer(texts[i], max_new, SERVED[name])
                 same = answer.text == target.tokenizer.decode(out, skip_special_tokens=True)
                 res.served.add(answer, same)
@@ -307,6 +308,7 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
                     shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
                     tuned = f"\n      served: {answer.strategy}{shown} ({answer.tuning})"
             if res.paged is not None:   # the page draws the text: compared word for word
+                serve.evict()
                 answer = page.answer(texts[i], max_new)
                 res.paged.add(answer, answer.text.split() == target.tokenizer.decode(out, skip_special_tokens=True).split())
                 shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""

@@ -45,6 +45,7 @@ class ReplyStats:
 
     new_tokens: int = 0
     elapsed_s: float = 0.0
+    prefill_s: float = 0.0     # of elapsed_s, the time to the prefill's token: the time to the first token
     target_steps: int = 0      # target forwards (verify rounds) spent on this answer
     drafted: int = 0           # the most draft tokens the rounds could accept (sum of tree depths)
     accepted: int = 0          # draft tokens the target accepted
@@ -59,6 +60,13 @@ class ReplyStats:
     @property
     def tok_s(self) -> float:
         return self.new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens per second after the first (the prefill's): what speculation changes. A prompt
+        read from the cache (a rerun, a chat's history) takes less prefill, never fewer rounds."""
+        seconds = self.elapsed_s - self.prefill_s
+        return (self.new_tokens - 1) / seconds if self.new_tokens > 1 and seconds > 0 else 0.0
 
     @property
     def accept_len(self) -> float:

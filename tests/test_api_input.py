@@ -70,8 +70,8 @@ class SlowPrefill(ApiFake):
 
     def reply(self, messages, system_prompt, sampling, stop_strings, cancel, strategy=None, every_s=0.0):
         for n in range(1, 6):
-            yield ReplyEvent(f" w{n}", ReplyStats(new_tokens=n, elapsed_s=6 + 0.25 * (n - 1), target_steps=n))
-        yield ReplyEvent("", ReplyStats(new_tokens=5, elapsed_s=7, target_steps=5), finish="eos")
+            yield ReplyEvent(f" w{n}", ReplyStats(new_tokens=n, elapsed_s=6 + 0.25 * (n - 1), target_steps=n, prefill_s=6))
+        yield ReplyEvent("", ReplyStats(new_tokens=5, elapsed_s=7, target_steps=5, prefill_s=6), finish="eos")
 
 
 def test_tok_s_is_decode_speed_and_the_prefill_is_reported_apart():

@@ -72,10 +72,13 @@ def tiny_server(tiny_dir, tmp_path):
         yield service, url
 
 
-def test_bench_serve_asks_a_live_server_for_the_same_answers(tiny_dir, cache_dir, tiny_server, capsys):
+def test_bench_serve_asks_a_live_server_for_the_same_answers(tiny_dir, cache_dir, tiny_server, capsys, monkeypatch):
     from core.served import ServedClient
 
     service, url = tiny_server
+    runner, starts = service.engine.runner, []   # where each of the server's prefills starts in its cache
+    prefill = runner.prefill
+    monkeypatch.setattr(runner, "prefill", lambda ids, start: starts.append((start, len(ids))) or prefill(ids, start))
     spec = EngineSpec(model=str(tiny_dir), quant="none", device="cpu", cache_dir=cache_dir, head="random", compile=False)
     report = bench(spec, ROOT_ASSETS / "bench" / "mt_bench.jsonl", limit=2, max_new=8,
                    strategies=("eagle", "prompt_lookup", "hf_generate"), serve=ServedClient(url))
@@ -95,6 +98,10 @@ def test_bench_serve_asks_a_live_server_for_the_same_answers(tiny_dir, cache_dir
         assert set(by_category) == {"writing", "roleplay"} and all(x > 0 for x in by_category.values())
     assert s["plain"]["served"]["xplain_by_category"] == {"writing": 1.0, "roleplay": 1.0}
     assert len(service.tuner.turns) == 2  # only the tuned answers counted as its turns
+    # Every served answer read its whole prompt but the template's first tokens, as the bench's own
+    # runs do: eagle's, asked right after plain's of the same prompt, did not find it cached.
+    prompts = [(start, fed) for start, fed in starts if start + fed > 12]   # not the 1-token evictions'
+    assert len(prompts) >= 6 and all(start <= 4 for start, _ in prompts), starts
     progress, table = capsys.readouterr().out.split("category", 1)
     assert "served" in table and "served API" in table  # the summary row and the per-category block
     assert progress.count("served: eagle") == 2 and "(EAGLE" in progress  # per prompt: the server's choice and why

@@ -675,3 +675,5 @@ def test_reference_rounds_are_the_tuners_eagle_answers_and_stay_out_of_accepted_
     assert stats.target_steps == 7 and stats.reference_rounds == 2 and stats.new_tokens == 11
     assert stats.accept_len == pytest.approx(9 / 5)      # the prefill's token and 4 rounds of 2
     assert stats.plain_ms == pytest.approx(10.5) and stats.round_tokens == 10   # the second plain round, timed
+    # the first token came with the prefill at 0.1 s; 10 more tokens in the 0.6 s after it
+    assert stats.prefill_s == pytest.approx(0.1) and stats.decode_tok_s == pytest.approx(10 / 0.6)

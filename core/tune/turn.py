@@ -54,7 +54,8 @@ class TurnLog:
         s = self.stats
         s = replace(s, new_tokens=s.new_tokens + len(step.new_ids), elapsed_s=elapsed_s, target_steps=s.target_steps + 1,
                     drafted=s.drafted + step.drafted, accepted=s.accepted + step.accepted,
-                    reference_rounds=s.reference_rounds + step.reference)
+                    reference_rounds=s.reference_rounds + step.reference,
+                    prefill_s=elapsed_s if s.target_steps == 0 else s.prefill_s)
         if s.target_steps > 1 and not step.reference:   # the drafted rounds' phases
             self.draft_s, self.verify_s, self.commit_s = (self.draft_s + step.draft_s, self.verify_s + step.verify_s,
                                                           self.commit_s + step.commit_s)
