@@ -256,7 +256,7 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
     ab.then(outputs=lock, **unlock)
     raced = p.race.click(outputs=lock, **locking).then(
         bind(race.race, store, service, cancels), inputs=[p.chats.list, p.highlight],
-        api_name="race", **{**answer, "outputs": [p.chatbot, p.stats]})
+        api_name="race", **{**answer, "outputs": [p.chatbot, p.stats], "show_progress_on": []})
     raced.then(outputs=lock, **unlock)
     p.stop.click(bind(handlers.stop, cancels), api_name="stop", queue=False)
     # The chatbot's own trash button: stop the answer too, and drop its remaining updates.
