@@ -10,6 +10,7 @@ it as a turn (ChatService.reply's `strategy`), so the next answer speculates as 
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import gradio as gr
 
@@ -91,16 +92,17 @@ def streamed(cancels: Cancels, rerun: Rerun, updates: Iterator[tuple], action: s
     return "cleared" if cleared else "failed" if failed else "done"
 
 
-def _plain_run(service: ChatServiceApi, cancels: Cancels, cancel, chat: Chat, asked: Request,
-               shown: list[dict]) -> Iterator[tuple[Answer, list[dict], str]]:
-    """Stream the plain run: (answer so far, chatbot, stats line) per event."""
+def _plain_run(service: ChatServiceApi, cancels: Cancels, cancel, chat: Chat,
+               asked: Request) -> Iterator[tuple[Answer, Any, str]]:
+    """Stream the plain run: (answer so far, chatbot, stats line) per event, the chat left as it
+    is (answers.running_line)."""
     plain = Answer()
     events = service.reply(handlers.service_messages(chat[:-1]), asked.system_prompt, asked.sampling, asked.stops,
                            cancel, strategy="plain", every_s=handlers.SHOW_EVERY_S)
     for event in events:
         plain = plain.add(event)
         if not cancels.discarded(cancel):
-            yield plain, shown + [answers.ab_running_row(plain)], answers.format_stats(plain.stats, event.finish)
+            yield plain, gr.skip(), answers.running_line("A/B, plain decoding", plain)
 
 
 def saved(store: ChatStore, chat_id: int, chat: Chat, key: str, record: dict, what: str) -> Chat:
@@ -126,7 +128,7 @@ def compare(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id
     runs = []
 
     def updates():
-        for plain, running, line in _plain_run(service, cancels, rerun.cancel, chat, asked, shown):
+        for plain, running, line in _plain_run(service, cancels, rerun.cancel, chat, asked):
             runs[:] = [plain]
             yield running, line
     outcome = yield from streamed(cancels, rerun, updates(), ACTION)

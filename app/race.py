@@ -38,12 +38,13 @@ def race(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id: i
 
     def updates():
         for name in names:
-            run = Answer()
+            run = Answer()   # the chat is left as it is until the race ends (answers.running_line)
             for event in service.reply(handlers.service_messages(chat[:-1]), asked.system_prompt, greedy, asked.stops,
                                        cancel, strategy=name, every_s=handlers.SHOW_EVERY_S):
                 run = run.add(event)
                 if not cancels.discarded(cancel):
-                    yield shown + [answers.race_running_row(done, name, run, len(names))], answers.format_stats(run.stats)
+                    yield gr.skip(), answers.running_line(f"Race, {answers.strategy_label(name)} ({len(done) + 1} of "
+                                                          f"{len(names)})", run)
             if run.finish in (None, "cancelled"):
                 return
             done.append((name, run))

@@ -154,8 +154,9 @@ def test_ab_reruns_the_same_request_plainly_and_compares(store):
     assert plain_call.strategy == "plain" and spec_call.strategy is None
     assert plain_call.messages == [{"role": "user", "content": "Say hello"}]  # the answer is not in the prompt
     assert (plain_call.sampling, plain_call.system_prompt) == (spec_call.sampling, "Be brief.")
-    running = outputs[0][0][-1]
-    assert "status" not in running["metadata"] and "plain decoding" in running["metadata"]["title"]
+    # the chat is left as it is while the plain run streams; its progress is the stats line's
+    assert len(outputs) > 3 and all(chat == chats.gr.skip() for chat, _ in outputs[:-1])
+    assert all(line.startswith("A/B, plain decoding: **") for _, line in outputs[:-1]), outputs[-2][1]
     view, line = outputs[-1]
     assert line == "A/B vs plain decoding: **2.00×** the speed · identical text: **yes**"
     ab = view[-1]
@@ -187,6 +188,21 @@ def test_ab_under_sampling_says_texts_differ_by_design(store):
     assert line == "A/B vs plain decoding: **2.00×** the speed · sampling: texts differ by design"
     assert "differ by design" in view[-1]["content"] and "Identical text" not in view[-1]["content"]
     assert service.calls[0].sampling.temperature == 0.7 and service.calls[0].sampling.seed == 5
+
+
+def test_a_race_shows_its_progress_in_the_stats_line_and_draws_the_chat_at_its_end(store):
+    from app import race
+
+    class TwoDrafters(SpanService):
+        drafters = ("plain", "eagle")
+
+    ask(store, SpanService())
+    (chat,) = store.chats()
+    outputs = list(race.race(store, TwoDrafters(), Cancels(), chat.id, False, request=session()))
+    assert len(outputs) > 3 and all(chat == chats.gr.skip() for chat, _ in outputs[:-1])
+    assert outputs[-1][0][-1]["metadata"]["title"].startswith("Race of 2 drafters")
+    assert outputs[0][1].startswith("Race, plain decoding (1 of 2): **") and "Race, EAGLE" in outputs[-2][1]
+    assert outputs[-1][1].startswith("Race of 2 drafters")
 
 
 def test_a_stopped_ab_compares_nothing(store, toasts):
