@@ -311,8 +311,11 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
                 serve.evict()
                 answer = page.answer(texts[i], max_new)
                 res.paged.add(answer, answer.text.split() == target.tokenizer.decode(out, skip_special_tokens=True).split())
+                ab = page.ab()   # issue 17 pt 4: the page's A/B against the speedup it showed
+                res.paged.add_ab(ab.ratio, answer.speedup, ab.identical)
                 shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
-                tuned += f"\n      page: {answer.strategy}{shown}"
+                checked = f", A/B {ab.ratio:.2f}x" if ab.ratio is not None else ""
+                tuned += f"\n      page: {answer.strategy}{shown}{checked}"
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names) + tuned, flush=True)
     return results
@@ -401,3 +404,7 @@ def print_table(results: dict[str, StrategyResult]) -> None:
             print(f"{label:<12}" + "".join(
                 f"{live[name].tok_s:>10.1f} {'':>5} {live[name].tok_s * res.total.seconds / res.total.tokens:>5.2f}"
                 if live[name] else f"{'':>22}" for name, res in results.items()) + "   (tok/s, x bench)")
+    ab = results["eagle"].paged.ab_entry() if "eagle" in results and results["eagle"].paged else None
+    if ab:
+        print(f"page A/B: measured {ab['measured']:.2f}x plain, shown {ab['shown']:.2f}x (x{ab['shown_over_measured']:.2f}) "
+              f"over {ab['answers']} answers; identical text {ab['identical_text']}")

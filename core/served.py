@@ -47,6 +47,8 @@ class ServedTally:
     same_text: int = 0   # answers whose text is the bench's for the same prompt
     strategies: Counter = field(default_factory=Counter)
     shown: list[float] = field(default_factory=list)  # each answer's shown speedup, where it had one
+    ab: list[tuple[float, float]] = field(default_factory=list)  # the page's A/B: (measured, shown) per answer
+    ab_identical: int = 0                                         # A/Bs whose plain text was the answer's
 
     def add(self, answer: ServedAnswer, same: bool) -> None:
         self.tokens, self.seconds = self.tokens + answer.tokens, self.seconds + answer.seconds
@@ -55,9 +57,24 @@ class ServedTally:
         self.strategies[answer.strategy] += 1
         self.shown += [answer.speedup] if answer.speedup is not None else []
 
+    def add_ab(self, measured: float | None, shown: float | None, identical: bool | None) -> None:
+        """The page's A/B of the answer just added, against the speedup the page showed for it."""
+        if measured is not None and shown is not None:
+            self.ab.append((measured, shown))
+        self.ab_identical += int(bool(identical))
+
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def ab_entry(self) -> dict | None:
+        """Issue 17 pt 4's check: the mean speedup the page's A/B measured (tokens per second after
+        the first token, plain decoding run right after) against the mean it showed, same answers."""
+        if not self.ab:
+            return None
+        measured, shown = (sum(x) / len(self.ab) for x in zip(*self.ab))
+        return {"measured": round(measured, 3), "shown": round(shown, 3), "shown_over_measured": round(shown / measured, 3),
+                "answers": len(self.ab), "identical_text": f"{self.ab_identical}/{self.answers}"}
 
     def entry(self, bench_tok_s: float) -> dict:
         """The JSON line's `served`: wall-clock tok/s and its ratio to the bench's; the server's
@@ -66,7 +83,8 @@ class ServedTally:
         return {"tok_s": round(self.tok_s, 2), "vs_bench": round(self.tok_s / bench_tok_s, 3) if bench_tok_s else None,
                 "server_tok_s": round(self.tokens / self.server_s, 2) if self.server_s > 0 else None,
                 "same_text": f"{self.same_text}/{self.answers}", "strategies_used": dict(self.strategies),
-                "shown_speedup": round(sum(self.shown) / len(self.shown), 3) if self.shown else None}
+                "shown_speedup": round(sum(self.shown) / len(self.shown), 3) if self.shown else None,
+                **({"ab": self.ab_entry()} if self.ab else {})}
 
 
 class ServedClient:

@@ -11,6 +11,7 @@ runs headless, as the bench has no screen; it still lays out and paints every up
 """
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import STRATEGY_LABELS
@@ -23,17 +24,18 @@ STATS = re.compile(r"(\d+) tokens? · [\d.]+ tok/s")
 SPEEDUP = re.compile(r"speedup ([\d.]+)× vs plain")
 DRAFTER = re.compile("vs plain · (" + "|".join(map(re.escape, STRATEGY_LABELS.values())) + ")")   # the drafter it ran
 DRAFTER_NAMES = {label: name for name, label in STRATEGY_LABELS.items()}
+AB = re.compile(r"A/B vs plain decoding: ([\d.]+|—)× the speed · (identical text: (yes|no)|sampling)")
 ANSWERS = "#aerie-chat .message:not(.thought) > [data-testid='bot']"   # answers, less their statistics rows
 # True once Send is shown and enabled: the page is idle, the last answer drawn.
 IDLE = """() => [...document.querySelectorAll('#aerie-input button')]
   .some(b => b.textContent.trim() === 'Send' && !b.disabled && b.offsetParent !== null)"""
-# Resolves window.__aerieAnswered with the seconds from the next key press in the page until it
-# has left idle and come back: the page's own clock, checked on each change of the input row
-# rather than polled (Playwright's waits poll every animation frame, which keeps headless Chromium
-# drawing beside the engine, and add their round trips to the time).
-ANSWERED = """(limit) => { window.__aerieAnswered = new Promise((resolve, reject) => {
+# Resolves window.__aerieAnswered with the seconds from the next `start` event in the page (a key
+# press, a click) until it has left idle and come back: the page's own clock, checked on each
+# change of the input row rather than polled (Playwright's waits poll every animation frame, which
+# keeps headless Chromium drawing beside the engine, and add their round trips to the time).
+ANSWERED = """({limit, start}) => { window.__aerieAnswered = new Promise((resolve, reject) => {
   const idle = %s; let left = false, pressed = null;
-  document.addEventListener('keydown', () => { pressed = pressed ?? performance.now(); }, {capture: true, once: true});
+  document.addEventListener(start, () => { pressed = pressed ?? performance.now(); }, {capture: true, once: true});
   const watch = new MutationObserver(() => {
     if (!idle()) left = true;
     else if (left) { watch.disconnect(); clearTimeout(late); resolve((performance.now() - pressed) / 1000); }
@@ -43,6 +45,14 @@ ANSWERED = """(limit) => { window.__aerieAnswered = new Promise((resolve, reject
   // the page each time (offsetParent) while the engine decodes.
   watch.observe(document.querySelector('#aerie-input'), {subtree: true, childList: true, attributes: true});
 }); }""" % IDLE
+
+
+@dataclass(frozen=True)
+class PageAB:
+    """The page's A/B of its last answer: the speed ratio it measured (None: a run made one token
+    or none) and whether plain decoding's text was the same (None under sampling)."""
+    ratio: float | None
+    identical: bool | None
 
 
 class PageClient:
@@ -78,7 +88,7 @@ class PageClient:
         box = tab.locator("#aerie-input textarea")
         box.fill(text)
         box.focus()
-        tab.evaluate(ANSWERED, WAIT_MS)
+        tab.evaluate(ANSWERED, {"limit": WAIT_MS, "start": "keydown"})
         tab.keyboard.press("Enter")
         seconds = tab.evaluate("() => window.__aerieAnswered")
         stats = tab.locator("#aerie-stats").inner_text()
@@ -90,6 +100,17 @@ class PageClient:
         # server_s 0: the page does not say how long the service took, only the stats line's own tok/s
         return ServedAnswer(shown.strip(), int(found[1]), seconds, 0.0, DRAFTER_NAMES[drafter[1]] if drafter else "page",
                             float(speedup[1]) if speedup else None)
+
+    def ab(self) -> PageAB:
+        """Press A/B vs plain under the last answer and read its verdict, once the page is idle."""
+        tab = self.tab
+        tab.evaluate(ANSWERED, {"limit": WAIT_MS, "start": "click"})
+        tab.locator("#aerie-ab").click()
+        tab.evaluate("() => window.__aerieAnswered")
+        found = AB.search(tab.locator("#aerie-chat").inner_text())
+        if not found:
+            raise AerieError("The page's A/B ended without its verdict under the answer.")
+        return PageAB(None if found[1] == "—" else float(found[1]), None if found[3] is None else found[3] == "yes")
 
     def _settings(self, max_new: int) -> None:
         """Max new tokens as the bench's, temperature 0 (greedy, as the bench)."""

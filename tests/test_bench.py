@@ -147,3 +147,16 @@ def test_bench_races_medusa_heads_shaped_by_the_tuner(tiny_dir, cache_dir, tmp_p
     medusa = report["strategies"]["medusa"]
     assert medusa["lossless"] and medusa["heads"] == 3 and sum(medusa["trees_used"].values()) == 2
     assert set(medusa["round_ms"]) == {"draft", "verify", "commit"}
+
+
+def test_the_page_tally_holds_its_ab_against_the_speedup_shown():
+    from core.served import ServedAnswer, ServedTally
+
+    tally = ServedTally()
+    assert tally.ab_entry() is None and "ab" not in tally.entry(1.0)
+    for measured, shown, identical in ((1.2, 1.1, True), (None, 0.9, True), (1.4, 1.5, False)):
+        tally.add(ServedAnswer("t", 8, 0.1, 0.1, "eagle", shown), True)
+        tally.add_ab(measured, shown, identical)
+    # an A/B that measured nothing (a one-token answer) is left out of both means, not its text
+    assert tally.entry(1.0)["ab"] == {"measured": 1.3, "shown": 1.3, "shown_over_measured": 1.0, "answers": 2,
+                                      "identical_text": "2/3"}

@@ -221,8 +221,10 @@ def test_the_bench_page_client_times_answers_the_page_shows(server, browser):
         first = client.answer("Name three colours.", 12)
         second = client.answer("Name three fruits.", 12)
         questions_shown = client.tab.locator("#aerie-chat [data-testid='user']").all_inner_texts()
+        ab = client.ab()   # the page's A/B of the second answer, read from its verdict
     finally:
         client.close()
     assert 1 <= first.tokens <= 12 and 1 <= second.tokens <= 12 and first.seconds > 0
     assert first.text and second.text and first.strategy in DRAFTERS   # the drafter its stats line names
     assert questions_shown == ["Name three fruits."]   # a new chat for each prompt
+    assert ab.identical is True and (ab.ratio is None) == (second.tokens <= 1)   # greedy: plain's text, token for token
