@@ -58,7 +58,7 @@ class FakeService:
     @staticmethod
     def _stats(n):
         return ReplyStats(new_tokens=n, elapsed_s=0.5 * max(n, 1), target_steps=n, drafted=2 * n,
-                          accepted=n, strategy="eagle")
+                          accepted=n, strategy="eagle", prefill_s=0.5)   # a token each 0.5 s, the first with the prefill
 
 
 def session(name="s1"):
