@@ -118,3 +118,27 @@ def test_greedy_eagle_on_row_attention_is_plain_decodings_text():
         engine = Engine(target, drafter, TargetRunner(target, config, drafter.feature_layers))
         texts.append([t for step in engine.generate(prompt, SamplingConfig(max_new_tokens=40)) for t in step.new_ids])
     assert len(texts[0]) == 40 and texts[1] == texts[0] and texts[2] == texts[0]
+
+
+def test_a_prompts_rows_do_not_depend_on_where_its_prefill_starts():
+    """Read whole, from row 5 after another prompt with the same start, or one token at a time, a
+    prompt gives the same logits and features bit for bit: an answer is a function of the prompt,
+    not of what the cache held (in eager chunks, fp32 SDPA past 64 rows, they differed)."""
+    target = int4_target(seed=4)
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 2, 4, 8, 16), row_attention=True),
+                          feature_layers=(3,))
+    rows = []   # each forward's query rows: the verify buckets' at most, never an eager chunk past them
+    forward = runner.forward
+    runner.forward = lambda token_ids, positions, mask: rows.append(token_ids.shape[1]) or forward(token_ids, positions, mask)
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = runner.prefill(ids, 0)
+    runner.reset()
+    runner.prefill(ids[:5] + [7, 8, 9], 0)           # another chat's prompt, the same first 5 tokens
+    later = runner.prefill(ids[5:], 5)
+    assert runner.ids == ids and runner.length == 100
+    runner.reset()
+    for i, token in enumerate(ids):
+        alone = runner.prefill([token], i)
+    assert torch.equal(whole.logits, later.logits) and torch.equal(whole.logits, alone.logits)
+    assert torch.equal(whole.features[5:], later.features) and torch.equal(whole.features[-1:], alone.features)
+    assert max(rows) == 16 and set(rows) <= {1, 2, 4, 8, 16}

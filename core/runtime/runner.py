@@ -147,19 +147,25 @@ class TargetRunner:
     @torch.inference_mode()
     def prefill(self, ids: list[int], start: int) -> Verified:
         """Feed `ids` at positions start.. after truncating the cache to `start`; -> the logits after
-        the last token (1, V) and the features of every fed token. All but the last token go in
-        eager causal chunks, attention in fp32 (over an fp64 cache where it is one): exactness
-        matters where a tree must equal one token at a time, and every strategy prefills the same
-        way (a 2,048-token prompt, 2-core Xeon: fp64 attention took 39% of the prefill).
+        the last token (1, V) and the features of every fed token.
 
-        The last token is fed alone, as a decode step is (a one-token verify). Regenerate, an A/B
-        run or the same question again reuses all but the prompt's last token and feeds that one
-        alone; fed inside a chunk, its row would come from the chunk's kernel instead, and the
-        same prompt could give another greedy answer (on a 2-core Xeon a 210-token prompt's logits
-        moved by up to 0.41 between the two: summation order, then bf16 rounding)."""
+        On a CPU int4/int8 target (`exact`) every row goes through the verify buckets' forwards, in
+        chunks of the largest: their rows equal one token's bit for bit, so a prompt row's value no
+        longer depends on where its chunk starts, and a greedy answer is a function of the prompt,
+        not of what the cache held before. Fed in eager chunks, the linears' bf16 inputs turned the
+        chunks' differing attention sums into logit differences of up to ~0.5 (a 68-token MT-bench
+        prompt read whole, from row 3 after another chat, or token by token: three sets of logits),
+        and through the API plain decoding and EAGLE, whose head makes the target re-read the prompt
+        from a token earlier, gave different texts for 5 of 16 MT-bench prompts.
+
+        Elsewhere all but the last token go in eager causal chunks, attention in fp32 (over an fp64
+        cache where it is one), and the last alone, as a decode step is, so the same prompt asked
+        again (its rows reused but the last) gives the same answer."""
         self.truncate(start)
         if self.delay_s:
             time.sleep(self.delay_s)
+        if self.exact:
+            return self._prefill_in_buckets(ids)
         features, bulk = [], ids[:-1]
         for lo in range(0, len(bulk), PREFILL_CHUNK):
             chunk = bulk[lo: lo + PREFILL_CHUNK]
@@ -176,6 +182,19 @@ class TargetRunner:
         features.append(last.features)
         return Verified(last.logits, torch.cat(features) if self.feature_layers is not None else None)   # (1, V)
 
+    def _prefill_in_buckets(self, ids: list[int]) -> Verified:
+        """`prefill` on the verify buckets: chunks of the largest, each a chain seen whole, kept."""
+        largest, features = self.buckets[-1], []
+        for lo in range(0, len(ids), largest):
+            chunk = ids[lo: lo + largest]
+            n = len(chunk)
+            hidden, feats = self._forward_rows(torch.tensor(chunk), torch.arange(n),
+                                               torch.ones(n, n, dtype=torch.bool).tril())   # (n, H), (n, F)
+            self.commit(torch.arange(n), chunk)
+            features.append(feats)
+        logits = self.target.model.get_output_embeddings()(hidden[-1:]).float()                  # (1, V)
+        return Verified(logits, torch.cat(features) if self.feature_layers is not None else None)
+
     @torch.inference_mode()
     def verify(self, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor,
                outputs: torch.Tensor | None = None) -> Verified:
@@ -184,13 +203,21 @@ class TargetRunner:
         chunks of it, each seeing the chunks before; in one forward where the target is offloaded);
         -> logits and features of the n rows, or of the rows `outputs` (k,) only, in that order (the
         LM head runs on those alone)."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        hidden, features = self._forward_rows(tokens, depth, visible)
+        rows = slice(0, tokens.shape[0]) if outputs is None else outputs.to(self.device)
+        logits = self.target.model.get_output_embeddings()(hidden[rows]).float()                    # (k, V)
+        return Verified(logits, None if features is None else features[rows])
+
+    def _forward_rows(self, tokens: torch.Tensor, depth: torch.Tensor,
+                      visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """verify's forwards, uncommitted; -> hidden states (n, H) and features (n, F) or None."""
         n, length, largest = tokens.shape[0], self.length, self.buckets[-1]
         padded_n = n if n <= largest or self.one_forward else -(-n // largest) * largest
         padded_n = next((b for b in self.buckets if b >= padded_n), padded_n)
         if length + padded_n > self.capacity:
             raise ValueError(f"a {n}-token verify after {length} tokens overflows the {self.capacity}-row cache")
-        if self.delay_s:
-            time.sleep(self.delay_s)
         chunk = padded_n if self.one_forward else largest
         token_ids = torch.zeros(padded_n, dtype=torch.long, device=self.device)
         token_ids[:n] = tokens.to(self.device)
@@ -206,11 +233,8 @@ class TargetRunner:
                                        self.mask(seen[lo:hi, :hi], length))
             hidden.append(h)
             features.append(f)
-        rows = slice(0, n) if outputs is None else outputs.to(self.device)
-        hidden = torch.cat(hidden)[rows]                                                              # (n, H)
-        logits = self.target.model.get_output_embeddings()(hidden).float()                            # (n, V)
         self.verified_at, self.length = length, length + padded_n
-        return Verified(logits, None if self.feature_layers is None else torch.cat(features)[rows])  # cat copies
+        return torch.cat(hidden)[:n], None if self.feature_layers is None else torch.cat(features)[:n]  # cat copies
 
     @property
     def rows_left(self) -> int:
