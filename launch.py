@@ -208,8 +208,7 @@ def run_compile(args: argparse.Namespace) -> None:
         os._exit(1)
     threading.Thread(target=exit_with_parent, daemon=True).start()
     try:
-        staged = stage(engine_spec(args, head=args.head or None), report=lambda line: print(line, flush=True),
-                       prefills=False)
+        staged = stage(engine_spec(args, head=args.head or None), report=lambda line: print(line, flush=True))
         if staged.graphs is None:
             fail("this model runs without compiled graphs here (a GPU, --no-compile, or fp32 on oneDNN).")
         build(staged.missing(), staged.graphs, lambda line: print(f"Aerie: {line}", flush=True),

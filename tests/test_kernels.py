@@ -11,11 +11,11 @@ from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
 from core.service.factory import cpu_buckets
-from core.tune.kernels import (HEAD_WEIGHTS, PREFILL_FROM, WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice,
-                               choose_head_weights, choose_prefill, choose_wide_from, head_weights_here, int4_layers, kernel_edges, load_kernel,
+from core.tune.kernels import (HEAD_WEIGHTS, WIDE_ROWS, KernelChoice, TreeKernels, apply_wide, cached_choice,
+                               choose_head_weights, choose_wide_from, head_weights_here, int4_layers, kernel_edges, load_kernel,
                                machine_key, pick_tree_kernels, time_draft_steps)
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
-from models.cpu_quant import TWINS, onednn_runs, quantize_cpu
+from models.cpu_quant import onednn_runs, quantize_cpu
 from tests.conftest import chain_at_once, needs_onednn_bf16, one_token_at_a_time, random_head, tiny_llama, tiny_target
 
 
@@ -121,32 +121,9 @@ def test_big_cpu_buckets_only_up_to_the_largest_that_can_pay():
     assert cpu_buckets(None) is None
 
 
-def test_a_prefill_twin_is_timed_chosen_and_serves_only_prefills():
-    """Each twin that fits is timed on a whole prefill; the chosen one serves calls past every
-    verify size, so the verify buckets keep int4, and the prefill's logits stay the kernel's to a
-    bf16 step (the same weight values)."""
-    target = int4_target()
-    kind, ms = choose_prefill(target, free_bytes=1 << 40)
-    here = {"int4", *(k for k in TWINS if onednn_runs(k))}        # bf16x3 needs AVX512-BF16-class oneDNN
-    assert kind in here and set(ms) == here and all(v > 0 for v in ms.values())
-    assert all(layer.wide is None for layer in int4_layers(target))
-    assert choose_prefill(target, free_bytes=0)[1].keys() == {"int4"}    # no twin fits: none timed
-    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 4), context=600))
-    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
-    before = runner.prefill(ids, 0).logits
-    twin = "bf16x3" if onednn_runs("bf16x3") else "fp32"
-    apply_wide(target, KernelChoice(None, 8, prefill=twin), prefills=False)   # the compile child's
-    assert all(layer.wide is None for layer in int4_layers(target))
-    apply_wide(target, KernelChoice(None, 8, prefill=twin))
-    assert all(layer.wide_from == PREFILL_FROM > max(WIDE_ROWS) for layer in int4_layers(target, decoder_only=True))
-    assert target.model.get_output_embeddings().wide is None          # a prefill's LM head sees one row
-    after = runner.prefill(ids, 0).logits
-    torch.testing.assert_close(after, before, atol=0.05, rtol=0.02)
-    assert after.argmax() == before.argmax()
-    assert "prefill on the bf16x3 twin" in KernelChoice(None, 8, prefill="bf16x3").describe()
-    # No graph spans the row count where a layer switches kernels (core/runtime/graphs.py row_groups).
-    assert kernel_edges(KernelChoice(None, 8, prefill="bf16x3")) == (PREFILL_FROM,)
-    assert kernel_edges(KernelChoice(16, 64, prefill="bf16x3")) == (16,) and kernel_edges(KernelChoice(None)) == ()
+def test_no_graph_spans_the_row_count_where_the_linears_switch_to_the_twin():
+    """core/runtime/graphs.py row_groups: the fp32 twin's first row count is an edge; none without one."""
+    assert kernel_edges(KernelChoice(16, 64)) == (16,) and kernel_edges(KernelChoice(None)) == ()
 
 
 def test_a_tree_size_pays_only_under_three_one_token_verifies():

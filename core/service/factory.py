@@ -26,7 +26,7 @@ from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
 from core.tune.kernels import (WIDE_ROWS, KernelChoice, TargetKernel, TreeKernels, apply_target_kernel, apply_wide,
-                               cached_choice, choose_head_weights, choose_prefill, choose_target_kernel, choose_wide_from, cpu_flags,
+                               cached_choice, choose_head_weights, choose_target_kernel, choose_wide_from, cpu_flags,
                                head_weights_here, kernel_edges, machine_key, rows_alone, time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile,
@@ -104,14 +104,12 @@ def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec], list
                   Pending(staged, missing, compile_command(spec)))
 
 
-def stage(spec: EngineSpec, probe: Probe | None = None, report=print, prefills: bool = True) -> Staged:
-    """The target, this CPU's kernel choice, the drafters and the engine, all eager. Without
-    `prefills` (the compile child: graphs never prefill) no prefill twin is built (640 MB and
-    3 s for the embedded model on the bf16x3 twin)."""
+def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
+    """The target, this CPU's kernel choice, the drafters and the engine, all eager."""
     target, onednn, placement = load_fast_target(spec, probe)
     strategy = resolved_strategy(spec)
     asked = spec.attention == "rows" and row_attention(target, spec.cache_dir, report)
-    kernels = cpu_kernels(target, spec, strategy, report, prefills, asked) if target.quant in CPU_QUANTS else None
+    kernels = cpu_kernels(target, spec, strategy, report, asked) if target.quant in CPU_QUANTS else None
     rows = asked or (spec.attention == "auto" and kernels is not None and rows_alone(kernels)
                      and row_attention(target, spec.cache_dir, report))
     drafters = {"plain": PlainDrafter(), "prompt_lookup": PromptLookupDrafter(),
@@ -237,10 +235,9 @@ def row_attention(target: Target, cache_dir: Path, report=print) -> bool:
     return True
 
 
-def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, prefills: bool = True,
-                rows: bool = False) -> KernelChoice:
+def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, rows: bool = False) -> KernelChoice:
     """This machine's kernel choice for `target` (core/tune/kernels.py), measured once and cached, and
-    the target's int4 layers set up for it (for verifies only, without `prefills`). rows: whether
+    the target's int4 layers set up for it. rows: whether
     attention runs on the row kernel (`row_attention`), as the timed verifies do."""
     key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
            "head": head_identity(spec.head) if strategy == "eagle" else None, "amx_kernel": amx_source_digest(),
@@ -253,13 +250,11 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
         kernel = choose_target_kernel(target, spec.cache_dir, report, spec.kernel_mix) if target.quant == "int4" else TargetKernel()
         trees = (choose_wide_from(target, row_attention=rows) if target.quant == "int4"
                  and twin_fits(target, psutil.virtual_memory().available) else TreeKernels(None, CPU_BUCKETS[-1], {}))
-        prefill, prefill_ms = (choose_prefill(target, psutil.virtual_memory().available, rows) if target.quant == "int4"
-                               else ("int4", {}))
         head, head_ms = "int8", {}
         if strategy == "eagle":
             head, head_ms = choose_head_weights(lambda quant: time_draft_steps(make_drafter(target, spec, quant)),
                                                   head_weights_here(spec.cache_dir))
-        return KernelChoice(trees.wide_from, trees.largest, head, prefill, trees.verify_ms, head_ms, prefill_ms, kernel)
+        return KernelChoice(trees.wide_from, trees.largest, head, trees.verify_ms, head_ms, kernel)
 
     choice, cached = cached_choice(spec.cache_dir, key, measure)
     if cached:
@@ -268,7 +263,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, p
         except NativeUnavailable as e:   # chosen here once, gone now (a compiler removed): say so, run int4
             report(f"Aerie: the {choice.target.kernel} kernel chosen for this machine cannot load ({e}); the target runs on int4.")
             choice = replace(choice, target=TargetKernel())
-    apply_wide(target, choice, prefills)
+    apply_wide(target, choice)
     return choice
 
 

@@ -9,10 +9,8 @@ Each choice timed the way a chat runs it, never taken from a table:
     the weights cold, as in a round: a hot-cache microbenchmark flatters the twin, whose 4 bytes
     per weight must come from memory (2-core AMD EPYC, AVX-512 and AVX512-BF16, no AMX: 0.52 vs
     0.68 ms for one 576x1536 linear at 64 rows, but a 16-token verify 82 vs 50 ms in the model);
-  - the target's linears for a prompt's prefill (chunks of up to 512 rows, eager): int4, or the
-    fp32 twin, or the exact three-term bf16 twin (`bf16x3`: the same values again, on AMX or
-    AVX512-BF16), timed as whole 512-token prefills; a twin costs RAM (4 or 6 bytes per weight),
-    so it must save 10% and fit;
+  (a prompt's prefill runs on the verify buckets, core/runtime/runner.py `prefill`, so no twin of
+    its own; version 10's timing of one is gone);
   - the draft head's weights: int8 or int4 (torch's weight-only kernels), int4 on q4_rows, or
     bf16 on oneDNN (dot products in hardware where the CPU has AVX512-BF16 or AMX). Drafts
     only: the target verifies every token, so this changes speed and acceptance, never the output.
@@ -34,7 +32,7 @@ from core.files import stored
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.tree import chain_tree
 from models import amx, q4_rows
-from models.cpu_quant import TWINS, Int4Linear, onednn_runs
+from models.cpu_quant import Int4Linear, onednn_runs
 from models.native import NativeUnavailable
 from models.target import Target
 
@@ -52,12 +50,10 @@ WIN = 0.9                      # a kernel must save 10% to be chosen: timing noi
 # forced onto q4_rows a compiled 1-token verify took 5.33 ms against 8.13: plain decoding 125 vs 95 tokens/s.
 ROWS_ALONE_WIN = 1.05
 REPEATS = 3
-VERSION = 10   # 10: a kernel computing each row alone serves within 5% of int4 (ROWS_ALONE_WIN)
+VERSION = 11   # 11: no prefill twin (a prompt reads on the verify buckets); 10: ROWS_ALONE_WIN
 TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on each 4-bit kernel
 TILE_ROWS = (2, 4, 8, 16, 32, 64)   # sizes where q4_rows' tiled path may beat its register one
 KERNEL_NAMES = {"int4": "int4", "amx": "AMX 4-bit", "rows": "q4_rows"}
-PREFILL_ROWS = 512             # one prefill chunk (core/runtime/runner.py PREFILL_CHUNK)
-PREFILL_FROM = max(WIDE_ROWS) + 1   # a prefill's twin serves calls past every verify bucket
 TWIN_BYTES = {"fp32": 4, "bf16x3": 6}   # per weight
 
 
@@ -76,11 +72,9 @@ class KernelChoice:
     wide_from: int | None = None                     # verify rows from which linears run on the fp32 twin
     largest: int = 8                                 # the largest verify size that can pay (PAYING_TOKENS)
     head: str = "int8"                               # the draft head's CPU weights: one of HEAD_WEIGHTS
-    prefill: str = "int4"                            # a prefill chunk's linears: int4 or one of TWINS
     verify_ms: dict = field(default_factory=dict)    # rows -> {"int4": ms, "wide": ms}, eager verifies (1: int4)
     head_ms: dict = field(default_factory=dict)      # head weights -> ms of a head step at 4 rows
-    prefill_ms: dict = field(default_factory=dict)   # kernel -> ms of a 512-token eager prefill
-    # verify_ms' and prefill_ms' "int4" were timed on this kernel
+    # verify_ms' "int4" was timed on this kernel
     target: TargetKernel = field(default_factory=TargetKernel)
 
     @staticmethod
@@ -93,8 +87,7 @@ class KernelChoice:
         kernel = name if t.from_rows == 1 else f"int4, {name} from {t.from_rows} rows"
         kernel += f" (tiled from {t.tiles_from} rows)" if t.tiles_from else ""
         wide = f"{kernel}, fp32 twin from {self.wide_from} rows" if self.wide_from else f"{kernel} at every size"
-        prefill = "" if self.prefill == "int4" or self.wide_from else f", prefill on the {self.prefill} twin"
-        return f"target {wide}, trees up to {self.largest}{prefill}; head {self.head}"
+        return f"target {wide}, trees up to {self.largest}; head {self.head}"
 
 
 def machine_key() -> dict:
@@ -131,11 +124,9 @@ def cached_choice(cache_dir: Path, key: dict, measure) -> tuple[KernelChoice, bo
     return stored(cache_dir / "kernels", key, measure, asdict, KernelChoice.from_dict)
 
 
-def int4_layers(target: Target, decoder_only: bool = False) -> list[Int4Linear]:
-    """The target's int4 linears; `decoder_only` leaves out the LM head, which a prefill applies
-    to one row only (so a prefill's twin skips its 28M weights in the embedded model)."""
-    model = target.model.get_decoder() if decoder_only else target.model
-    return [m for m in model.modules() if isinstance(m, Int4Linear)]
+def int4_layers(target: Target) -> list[Int4Linear]:
+    """The target's int4 linears."""
+    return [m for m in target.model.modules() if isinstance(m, Int4Linear)]
 
 
 @dataclass(frozen=True)
@@ -331,76 +322,26 @@ def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
                        rounded(best))
 
 
-def twin_fits(target: Target, free_bytes: int, kind: str = "fp32", decoder_only: bool = False) -> bool:
+def twin_fits(target: Target, free_bytes: int, kind: str = "fp32") -> bool:
     """Whether the int4 layers' twins of `kind` (TWIN_BYTES per weight) fit in half the free RAM."""
-    layers = int4_layers(target, decoder_only)
+    layers = int4_layers(target)
     return sum(TWIN_BYTES[kind] * m.in_features * m.out_features for m in layers) < free_bytes // 2
 
 
-@torch.inference_mode()
-def choose_prefill(target: Target, free_bytes: int, row_attention: bool = False) -> tuple[str, dict]:
-    """Time eager 512-token prefills on int4 and on each twin that fits (built one at a time, best
-    of REPEATS after a warm-up); -> the fastest if it saves 10% over int4 (else int4), and the
-    timings. Leaves every layer on int4."""
-    layers = int4_layers(target, decoder_only=True)
-    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1,), context=PREFILL_ROWS + 8,
-                                               row_attention=row_attention))
-    ids = torch.randint(0, target.model.config.get_text_config().vocab_size, (PREFILL_ROWS,),
-                        generator=torch.Generator().manual_seed(0)).tolist()
-    ms = {}
-    for kind in ("int4", *(k for k in TWINS if onednn_runs(k) and twin_fits(target, free_bytes, k, decoder_only=True))):
-        try:
-            for layer in layers if kind != "int4" else ():
-                layer.widen(from_rows=PREFILL_FROM, kind=kind)
-        except ValueError as e:        # weights that do not split exactly into bf16 terms
-            print(f"Aerie: no {kind} twin for prefills: {e}", flush=True)
-            for layer in layers:
-                layer.narrow()
-            continue
-        times = []
-        for _ in range(REPEATS + 1):
-            t0 = time.perf_counter()
-            runner.prefill(ids, 0)
-            times.append(1000 * (time.perf_counter() - t0))
-        ms[kind] = round(min(times[1:]), 1)
-        for layer in layers:
-            layer.narrow()
-    best = min(ms, key=ms.get)
-    return (best if ms[best] < WIN * ms["int4"] else "int4"), ms
-
-
-@dataclass(frozen=True)
-class Twin:
-    from_rows: int        # calls of this many rows or more run on it
-    kind: str             # one of TWINS
-    prefill_only: bool    # past every verify size; not on the LM head, which a prefill applies to one row
-
-
-def twin_of(choice: KernelChoice) -> Twin | None:
-    """The twin `choice` gives the target's int4 layers: the fp32 one for calls of `wide_from` rows
-    or more (prefills included), else a prefill's own past every verify size, else none."""
-    if choice.wide_from is not None:
-        return Twin(choice.wide_from, "fp32", prefill_only=False)
-    return Twin(PREFILL_FROM, choice.prefill, prefill_only=True) if choice.prefill != "int4" else None
-
-
 def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
-    """The row counts from which the target's linears run on another kernel (a twin, AMX's mix): no
-    graph may span one (core/runtime/graphs.py `row_groups`)."""
-    twin = twin_of(choice)
-    edges = {twin.from_rows} if twin is not None else set()
+    """The row counts from which the target's linears run on another kernel (the fp32 twin, AMX's
+    mix): no graph may span one (core/runtime/graphs.py `row_groups`)."""
+    edges = {choice.wide_from} if choice.wide_from is not None else set()
     from_rows = choice.target.from_rows
     return tuple(sorted(edges | ({from_rows} if from_rows != 1 else set())))
 
 
-def apply_wide(target: Target, choice: KernelChoice, prefills: bool = True) -> None:
-    """Give the int4 layers the twin `choice` calls for (`twin_of`); without `prefills`, none
-    that serves only prefills."""
-    twin = twin_of(choice)
-    if twin is None or (twin.prefill_only and not prefills):
+def apply_wide(target: Target, choice: KernelChoice) -> None:
+    """Give the int4 layers the fp32 twin `choice` calls for, from its `wide_from` rows on."""
+    if choice.wide_from is None:
         return
-    for layer in int4_layers(target, decoder_only=twin.prefill_only):
-        layer.widen(from_rows=twin.from_rows, kind=twin.kind)
+    for layer in int4_layers(target):
+        layer.widen(from_rows=choice.wide_from, kind="fp32")
 
 
 @torch.inference_mode()
