@@ -10,7 +10,6 @@ it as a turn (ChatService.reply's `strategy`), so the next answer speculates as 
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import gradio as gr
 
@@ -93,16 +92,16 @@ def streamed(cancels: Cancels, rerun: Rerun, updates: Iterator[tuple], action: s
 
 
 def _plain_run(service: ChatServiceApi, cancels: Cancels, cancel, chat: Chat,
-               asked: Request) -> Iterator[tuple[Answer, Any, str]]:
-    """Stream the plain run: (answer so far, chatbot, stats line) per event, the chat left as it
-    is (answers.running_line)."""
+               asked: Request) -> Iterator[tuple[Answer, str]]:
+    """Stream the plain run: (answer so far, stats line) per event; the chat is left as it is
+    (answers.running_line)."""
     plain = Answer()
     events = service.reply(handlers.service_messages(chat[:-1]), asked.system_prompt, asked.sampling, asked.stops,
                            cancel, strategy="plain", every_s=handlers.SHOW_EVERY_S)
     for event in events:
         plain = plain.add(event)
         if not cancels.discarded(cancel):
-            yield plain, gr.skip(), answers.running_line("A/B, plain decoding", plain)
+            yield plain, answers.running_line("A/B, plain decoding", plain)
 
 
 def saved(store: ChatStore, chat_id: int, chat: Chat, key: str, record: dict, what: str) -> Chat:
@@ -128,9 +127,9 @@ def compare(store: ChatStore, service: ChatServiceApi, cancels: Cancels, chat_id
     runs = []
 
     def updates():
-        for plain, running, line in _plain_run(service, cancels, rerun.cancel, chat, asked):
+        for plain, line in _plain_run(service, cancels, rerun.cancel, chat, asked):
             runs[:] = [plain]
-            yield running, line
+            yield gr.skip(), line
     outcome = yield from streamed(cancels, rerun, updates(), ACTION)
     if outcome == "cleared":
         return

@@ -54,7 +54,7 @@ VERSION = 11   # 11: no prefill twin (a prompt reads on the verify buckets); 10:
 TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on each 4-bit kernel
 TILE_ROWS = (2, 4, 8, 16, 32, 64)   # sizes where q4_rows' tiled path may beat its register one
 KERNEL_NAMES = {"int4": "int4", "amx": "AMX 4-bit", "rows": "q4_rows"}
-TWIN_BYTES = {"fp32": 4, "bf16x3": 6}   # per weight
+TWIN_BYTES = 4                 # per weight: the fp32 twin's
 
 
 @dataclass(frozen=True)
@@ -322,10 +322,10 @@ def pick_tree_kernels(best: dict, rows: tuple[int, ...]) -> TreeKernels:
                        rounded(best))
 
 
-def twin_fits(target: Target, free_bytes: int, kind: str = "fp32") -> bool:
-    """Whether the int4 layers' twins of `kind` (TWIN_BYTES per weight) fit in half the free RAM."""
+def twin_fits(target: Target, free_bytes: int) -> bool:
+    """Whether the int4 layers' fp32 twins (TWIN_BYTES per weight) fit in half the free RAM."""
     layers = int4_layers(target)
-    return sum(TWIN_BYTES[kind] * m.in_features * m.out_features for m in layers) < free_bytes // 2
+    return sum(TWIN_BYTES * m.in_features * m.out_features for m in layers) < free_bytes // 2
 
 
 def kernel_edges(choice: KernelChoice) -> tuple[int, ...]:
