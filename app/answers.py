@@ -13,8 +13,9 @@ The text is all that goes back to the model and into exports. "meta" is saved wi
     race     its question asked again of every drafter at temperature 0 (app/race.py), once asked for
 
 The Chatbot shows each such answer followed by a collapsed row with its statistics, then its A/B
-comparison. Both are Gradio "thought" rows (metadata with a title): drawn as accordions inside
-the answer's bubble, and dropped by `handlers.normalise_history` from what the model sees.
+comparison. Both are Gradio "thought" rows (metadata with a title): drawn as accordions in
+bubbles of their own under the answer, and dropped by `handlers.normalise_history` from what the
+model sees.
 """
 
 import html

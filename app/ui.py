@@ -141,9 +141,11 @@ def _model_panel(service: ChatServiceApi, d: UiDefaults) -> SimpleNamespace:
 
 
 def _chat_panel() -> SimpleNamespace:
+    # Each message its own bubble and Copy button: grouped, an answer's Copy also copied the
+    # statistics row under it.
     chatbot = gr.Chatbot(label="Chat", show_label=False, elem_id="aerie-chat", height="65vh",
                          placeholder="Ask anything. Answers stream as they are written.",
-                         buttons=["copy", "copy_all"], feedback_options=None)
+                         buttons=["copy", "copy_all"], feedback_options=None, group_consecutive_messages=False)
     stats = gr.Markdown("", label="Stats", elem_id="aerie-stats")
     with gr.Row(elem_id="aerie-input", equal_height=True):
         textbox = gr.Textbox(show_label=False, placeholder="Message Aerie (Enter sends, Shift+Enter: new line)",

@@ -307,10 +307,10 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
                 if SERVED[name] is None:
                     shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
                     tuned = f"\n      served: {answer.strategy}{shown} ({answer.tuning})"
-            if res.paged is not None:   # the page draws the text: compared word for word
+            if res.paged is not None:
                 serve.evict()
                 answer = page.answer(texts[i], max_new)
-                res.paged.add(answer, answer.text.split() == target.tokenizer.decode(out, skip_special_tokens=True).split())
+                res.paged.add(answer, answer.text == target.tokenizer.decode(out, skip_special_tokens=True).rstrip())
                 ab = page.ab()   # issue 17 pt 4: the page's A/B against the speedup it showed
                 res.paged.add_ab(ab.ratio, answer.speedup, ab.identical)
                 shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""

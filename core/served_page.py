@@ -5,7 +5,9 @@ measured on every such run.
 
 Each prompt starts a new chat, is typed and sent with Enter, and its time runs from the key press
 until Send comes back (the answer's end is drawn), on the page's own clock. Its tokens are the
-stats line's count under the chat, its text the answer's bubble. The page decodes with the drafter
+stats line's count under the chat, its text what the answer's Copy button copies: the message as
+the page holds it, Markdown and all (the drawn bubble's text drops a list's numbers and the
+like: 53 of 80 MT-bench answers read word for word so). The page decodes with the drafter
 its dropdown holds: the tuner's choice (auto), so it stands against the bench's `eagle`. Chromium
 runs headless, as the bench has no screen; it still lays out and paints every update.
 """
@@ -25,7 +27,17 @@ SPEEDUP = re.compile(r"speedup ([\d.]+)× vs plain")
 DRAFTER = re.compile("vs plain · (" + "|".join(map(re.escape, STRATEGY_LABELS.values())) + ")")   # the drafter it ran
 DRAFTER_NAMES = {label: name for name, label in STRATEGY_LABELS.items()}
 AB = re.compile(r"A/B vs plain decoding: ([\d.]+|—)× the speed · (identical text: (yes|no)|sampling)")
-ANSWERS = "#aerie-chat .message:not(.thought) > [data-testid='bot']"   # answers, less their statistics rows
+ANSWERS = "#aerie-chat [data-testid='bot']:not(:has(.thought-group))"   # answers, less their statistics rows
+# Clicks the Copy button under the last answer (the first after its row: its statistics row has one too).
+COPY_ANSWER = """(answers) => { const row = [...document.querySelectorAll(answers)].pop()?.closest('.message-row');
+  for (let next = row?.nextElementSibling; next; next = next.nextElementSibling) {
+    const copy = next.querySelector("button[aria-label='Copy message']");
+    if (copy) { copy.click(); return true; }
+  }
+  return false; }"""
+# What a Copy button writes is kept in the page instead of the system clipboard, which a headless
+# browser may not grant.
+KEEP_COPIED = "navigator.clipboard.writeText = async (text) => { window.__aerieCopied = text; };"
 # True once Send is shown and enabled: the page is idle, the last answer drawn.
 IDLE = """() => [...document.querySelectorAll('#aerie-input button')]
   .some(b => b.textContent.trim() === 'Send' && !b.disabled && b.offsetParent !== null)"""
@@ -71,6 +83,7 @@ class PageClient:
             self._playwright = sync_playwright().start()
             browser = self._browser = self._playwright.chromium.launch(executable_path=str(chromium))
         self._context = browser.new_context(viewport={"width": 1280, "height": 800})
+        self._context.add_init_script(KEEP_COPIED)
         self.tab = self._context.new_page()
         self.tab.goto(url)
         self.tab.locator("#aerie-memory").filter(has_text="RAM").wait_for(timeout=WAIT_MS)
@@ -96,10 +109,19 @@ class PageClient:
         if not found:
             raise AerieError(f"The page's answer ended without its statistics: {stats!r}")
         speedup, drafter = SPEEDUP.search(stats), DRAFTER.search(stats)
-        shown = tab.locator(ANSWERS).last.inner_text()
         # server_s 0: the page does not say how long the service took, only the stats line's own tok/s
-        return ServedAnswer(shown.strip(), int(found[1]), seconds, 0.0, DRAFTER_NAMES[drafter[1]] if drafter else "page",
+        return ServedAnswer(self._copied(), int(found[1]), seconds, 0.0, DRAFTER_NAMES[drafter[1]] if drafter else "page",
                             float(speedup[1]) if speedup else None)
+
+    def _copied(self) -> str:
+        """The last answer's text through its Copy button, less whitespace at its end (the bench
+        compares it with its own text so)."""
+        self.tab.evaluate("() => { window.__aerieCopied = null; }")
+        clicked = self.tab.evaluate(COPY_ANSWER, ANSWERS)
+        copied = self.tab.evaluate("() => window.__aerieCopied")
+        if not clicked or copied is None:
+            raise AerieError("The page's Copy button under the answer copied nothing.")
+        return copied.rstrip()
 
     def ab(self) -> PageAB:
         """Press A/B vs plain under the last answer and read its verdict, once the page is idle."""

@@ -213,18 +213,22 @@ def test_the_monitor_shows_memory_and_the_tuner(page):
 
 def test_the_bench_page_client_times_answers_the_page_shows(server, browser):
     """bench --page's client (core/served_page.py): each prompt in a new chat, greedy, its tokens
-    and text as the page shows them."""
+    and text as the page holds them: the API's answer to the same request, character for character."""
+    from core.served import ServedClient
     from core.served_page import PageClient
 
     client = PageClient(server[0], browser=browser)
     try:
-        first = client.answer("Name three colours.", 12)
+        first = client.answer("Name three colours as a numbered list.", 24)
         second = client.answer("Name three fruits.", 12)
         questions_shown = client.tab.locator("#aerie-chat [data-testid='user']").all_inner_texts()
         ab = client.ab()   # the page's A/B of the second answer, read from its verdict
     finally:
         client.close()
-    assert 1 <= first.tokens <= 12 and 1 <= second.tokens <= 12 and first.seconds > 0
+    assert 1 <= first.tokens <= 24 and 1 <= second.tokens <= 12 and first.seconds > 0
     assert first.text and second.text and first.strategy in DRAFTERS   # the drafter its stats line names
+    # The page's default request is the API's (no system prompt, greedy), and its text the answer's
+    # own, not the drawn Markdown's (which drops a list's numbers).
+    assert first.text == ServedClient(server[0]).answer("Name three colours as a numbered list.", 24, None).text.rstrip()
     assert questions_shown == ["Name three fruits."]   # a new chat for each prompt
     assert ab.identical is True and (ab.ratio is None) == (second.tokens <= 1)   # greedy: plain's text, token for token
