@@ -142,6 +142,13 @@ def plain_text(shown: str) -> str:
     return html.unescape(inner.replace("<br>", "\n"))
 
 
+def verbatim(text: str) -> dict:
+    """A message's text as the Chatbot draws it unchanged: a text part, not a str, which Gradio
+    passes through `inspect.cleandoc` (an answer whose lines after the first were all indented, a
+    JSON object cut off by the token limit, lost that indentation in the page)."""
+    return {"type": "text", "text": text}
+
+
 def view(chat: list[dict], highlight: bool = False) -> list[dict]:
     """What the Chatbot shows for `chat`: every answer with meta is followed by its stats row
     and, once compared, its A/B row; with `highlight`, answers show their drafted text marked."""
@@ -149,10 +156,10 @@ def view(chat: list[dict], highlight: bool = False) -> list[dict]:
     for message in chat:
         meta = message.get("meta") if message["role"] == "assistant" else None
         if not meta:
-            shown.append({"role": message["role"], "content": message["content"]})
+            shown.append({"role": message["role"], "content": verbatim(message["content"])})
             continue
         text = message["content"]
-        shown.append({"role": "assistant", "content": highlighted(text, meta["drafted"]) if highlight else text})
+        shown.append({"role": "assistant", "content": verbatim(highlighted(text, meta["drafted"]) if highlight else text)})
         shown.append(stats_row(meta, text))
         if meta.get("ab"):
             shown.append(ab_row(meta, text))

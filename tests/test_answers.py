@@ -5,6 +5,7 @@ import json
 import sqlite3
 from types import SimpleNamespace
 
+import gradio as gr
 import pytest
 
 from app import answers, chats, compare, handlers
@@ -97,21 +98,21 @@ def test_each_answer_shows_its_stats_under_it_and_they_survive_a_reload(store):
     view = outputs[-1][0]
     assert [m["role"] for m in view] == ["user", "assistant", "assistant"]
     answer, row = view[1], view[2]
-    assert answer == {"role": "assistant", "content": TEXT}
+    assert answer == {"role": "assistant", "content": {"type": "text", "text": TEXT}}   # a part: drawn as is
     title = row["metadata"]["title"]
     assert row["metadata"]["status"] == "done"  # collapsed: one line under the answer
     assert title == ("**12** tokens · **1.7** tok/s · accepted length **4.00** · speedup **—** vs plain · "
                      "EAGLE head")
     assert "Acceptance **67%**: 6 of 9" in row["content"]
     reopened = chats.open_latest(ChatStore(store.path), True)[1]  # a restart, highlight on
-    assert reopened[2] == row and "<mark" in reopened[1]["content"]
-    assert answers.plain_text(reopened[1]["content"]) == TEXT
+    assert reopened[2] == row and "<mark" in reopened[1]["content"]["text"]
+    assert answers.plain_text(reopened[1]["content"]["text"]) == TEXT
 
 
 def test_stats_rows_and_highlighting_never_reach_the_model(store):
     service = SpanService()
     view = ask(store, service, highlight=True)[-1][0]
-    assert "<mark" in view[1]["content"]
+    assert "<mark" in view[1]["content"]["text"]
     # The page's own copy of the chat (the fallback when the store fails) reads back as plain text.
     assert handlers.normalise_history(view) == [{"role": "user", "content": "Say hello"},
                                                 {"role": "assistant", "content": TEXT}]
@@ -138,8 +139,8 @@ def test_redraw_toggles_highlighting_from_the_store(store, toasts):
     ask(store, SpanService())
     (chat,) = store.chats()
     marked, unmarked = chats.redraw(store, chat.id, True), chats.redraw(store, chat.id, False)
-    assert marked[1]["content"].count('<mark class="aerie-drafted">') == 2
-    assert unmarked[1]["content"] == TEXT and marked[2] == unmarked[2]
+    assert marked[1]["content"]["text"].count('<mark class="aerie-drafted">') == 2
+    assert unmarked[1]["content"]["text"] == TEXT and marked[2] == unmarked[2]
     store.delete(chat.id)  # e.g. from another tab
     assert chats.redraw(store, chat.id, True) == chats.gr.skip() and "no longer exists" in toasts[-1][1]
 
@@ -261,3 +262,13 @@ def test_build_ui_wires_ab_and_the_highlight_toggle(store):
     assert [i.elem_id for i in fns["redraw"].inputs][1:] == ["aerie-highlight"]
     clear = fns["clear"]
     assert len(clear.outputs) == 2 + len(handlers.controls("idle"))  # chat, stats, every locked control
+
+
+def test_the_page_draws_an_answer_as_the_model_wrote_it():
+    """Gradio dedents a str message (inspect.cleandoc): a JSON answer cut off by the token limit,
+    every line after the first indented, lost its indentation in the page. A text part keeps it."""
+    cut_off = '{\n  "a": 1,\n  "b": [\n    2'
+    chat = [{"role": "user", "content": "  indented\n  question"}, {"role": "assistant", "content": cut_off}]
+    drawn = gr.Chatbot().postprocess(answers.view(chat)).root
+    assert [m.content[0].text for m in drawn] == ["  indented\n  question", cut_off]
+    assert gr.Chatbot().postprocess(chat).root[1].content[0].text != cut_off   # why: a str is dedented

@@ -38,8 +38,10 @@ def say(store, service, chat_id, message, history=(), cancels=None):
 
 
 def text_rows(view):
-    """The chatbot's messages without the stats and A/B rows under answers (highlight off)."""
-    return [m for m in view if "metadata" not in m]
+    """The chatbot's messages without the stats and A/B rows under answers (highlight off), each
+    content a text part (answers.verbatim): as {"role", "content": its text}."""
+    assert all(m["content"]["type"] == "text" for m in view if "metadata" not in m)
+    return [{"role": m["role"], "content": m["content"]["text"]} for m in view if "metadata" not in m]
 
 
 def choices(update):
@@ -140,7 +142,7 @@ store = ChatStore(sys.argv[1])
 settings = ("", 0.0, 1.0, 0, -1, 100000, "")
 for chat, *_ in chats.respond(store, Slow(), Cancels(), None, "Tell me a story", [], *settings):
     last = [m for m in chat if "metadata" not in m][-1]  # the answer, not the stats row under it
-    print(time.monotonic(), len(last["content"].split()) if last["role"] == "assistant" else 0, flush=True)
+    print(time.monotonic(), len(last["content"]["text"].split()) if last["role"] == "assistant" else 0, flush=True)
 """
 
 
@@ -223,14 +225,14 @@ def test_open_latest_shows_the_most_recently_changed_chat(store):
     store.sync(older.id, [{"role": "user", "content": "older, but touched last"}])
     chat_list, history, stats, title, _ = chats.open_latest(store)
     assert chat_list["value"] == older.id and [c[1] for c in choices(chat_list)] == [older.id, newer.id]
-    assert history == [{"role": "user", "content": "older, but touched last"}] and title == "older, but touched last"
+    assert text_rows(history) == [{"role": "user", "content": "older, but touched last"}] and title == "older, but touched last"
 
 
 def test_switch_loads_the_picked_chat(store, toasts):
     a, b = store.create_chat("A"), store.create_chat("B")
     store.sync(a.id, [{"role": "user", "content": "in A"}, {"role": "assistant", "content": "reply A"}])
     chat_list, history, stats, title, _ = chats.switch(store, a.id)
-    assert chat_list["value"] == a.id and history[1] == {"role": "assistant", "content": "reply A"}
+    assert chat_list["value"] == a.id and text_rows(history)[1] == {"role": "assistant", "content": "reply A"}
     assert title == "A" and stats == ""
     store.delete(b.id)  # e.g. from another tab
     chat_list, history, _, title, _ = chats.switch(store, b.id)
