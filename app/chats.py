@@ -133,21 +133,24 @@ def _listing(store: ChatStore, recorder: _Recorder) -> tuple[dict, Any] | None:
 
 
 def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, highlight: bool) -> Iterator[tuple]:
-    """The (chat, stats) updates of `stream`, each saved as it passes and shown as `answers.view`,
-    then once the answer is done the last of them again (Gradio sends a stream's outputs as diffs)
+    """The (chat, stats) updates of `stream`, each saved as it passes and shown as `answers.view`
+    (streaming: without the answer's stats row), then once the answer is done the last of them
+    again, its stats row under it (Gradio sends a stream's outputs as diffs)
     with the chat list and title box (a new chat appears with its title, an old one moves to the
     top; sent with the first update, their redraw in the browser took the engine's cores during
     the prefill) and `answered` (the page unlocks its controls on it). Closed before the stream
     ended, it saves the answer marked interrupted."""
-    ended, shown = False, (gr.skip(), gr.skip())
+    ended, shown, last = False, (gr.skip(), gr.skip()), None
     try:
         for chat, stats in stream:
             if isinstance(chat, list):
                 if recorder is not None:
                     recorder.offer(chat)
-                chat = answers.view(chat, highlight)
+                last, chat = chat, answers.view(chat, highlight, streaming=True)
             shown = chat, stats
             yield *shown, gr.skip(), gr.skip(), gr.skip()
+        if last is not None:   # ended: its stats row joins it
+            shown = answers.view(last, highlight), shown[1]
         listing = _listing(store, recorder) if recorder is not None else None
         yield *shown, *(listing or (gr.skip(), gr.skip())), answered()
         ended = True

@@ -55,7 +55,10 @@ def test_a_first_message_creates_the_chat_and_lists_it(store):
     listed = outputs[-1][2]  # once the answer is done: its redraw would take the cores from the prefill
     assert choices(listed) == [("Plan a trip to Lisbon", chat.id)] and listed["value"] == chat.id
     assert outputs[-1][3] == "Plan a trip to Lisbon"  # the title box of the new chat
-    assert outputs[-1][:2] == outputs[-2][:2]  # with the last update again
+    # with the last update again, now with the answer's stats row under it (left out while it streamed)
+    assert outputs[-1][1] == outputs[-2][1] and text_rows(outputs[-1][0]) == text_rows(outputs[-2][0])
+    assert [m.get("metadata") is not None for m in outputs[-1][0]] == [False, False, True]
+    assert all("metadata" not in m for m in outputs[-2][0])
     assert all(o[2] == o[3] == gr.skip() for o in outputs[:-1])  # sent once, skipped before
     # The last update, and only it, sets `answered`: the page unlocks its controls on its change.
     assert isinstance(outputs[-1][4], float) and all(o[4] == gr.skip() for o in outputs[:-1])
