@@ -9,6 +9,7 @@ from core.config import TreeConfig
 from core.tune.latency import LatencyProfile
 
 MIN_DRAFTS = 16                     # drafts measured before their time replaces the profile's estimate
+BURST = 1.5                         # a round over this many times the median of its kind was slowed by other work
 REFERENCE_EVERY = 16                # an EAGLE answer's rounds per pair of plain reference rounds (Engine.generate)
 
 
@@ -32,11 +33,15 @@ class Turn:
 class Meter:
     """One answer's rounds after the prefill, for the measured speedup. Where the answer ran
     reference rounds, plain decoding's time per token is the mean of the second of each pair (a
-    plain round right after a plain round, as plain decoding runs): a mean, as the drafted rounds'
-    time is a sum, so a burst of load (a page's redraw, another program) counts on both sides. Their
-    median left it out of plain's side alone and read low under load: in the page, where each
-    streamed update takes the cores for a moment, the shown speedup was 0.88x what the page's A/B
-    measured over 80 MT-bench answers, and the tuner left EAGLE for 33 of them (2-core Zen 4). Without them it is the
+    plain round right after a plain round, as plain decoding runs) left unslowed by a burst of
+    load (a page's redraw, another program), times the share such bursts added to this answer's
+    drafted rounds (`burst_share`): the drafted rounds' time is a sum, so bursts count on their side
+    in proportion, and must on plain's. Their plain mean, bursts and all, was right on average but
+    wrong for most answers: 4-5 reference rounds mostly miss a burst and now and then catch one (12
+    page answers: below the A/B plain run's own rounds on 10, by ~8%, far above on 2), so the page
+    showed 0.86-0.89x its A/Bs for the median answer. Their median alone (bursts left out of
+    plain's side only) read low on average: 0.88x the page's A/Bs over 80 MT-bench answers, and the
+    tuner left EAGLE for 33 of them (2-core Zen 4). Without them it is the
     profile's at the answer's mean context, rescaled by how this answer's verifies compare with
     the profile's for the same tree sizes (a machine busier or quieter than when it was profiled
     slows plain decoding alike); that assumes the profile's tree-to-one-token ratios still hold,
@@ -54,6 +59,7 @@ class Meter:
     draft_s: float = 0.0
     draft_profiled_s: float = 0.0
     reference_ms: list[float] = field(default_factory=list)   # each timed reference round (one token)
+    drafted_ms: list[float] = field(default_factory=list)     # each drafted round (not a reference round)
     after_reference: bool = False
     uncaught: int | None = None   # tokens committed since the head's last step: its next catch-up's rows
 
@@ -65,6 +71,8 @@ class Meter:
         self.verify_s += step.verify_s + step.commit_s
         if step.reference and self.after_reference:
             self.reference_ms.append(1000 * round_s)
+        elif not step.reference:
+            self.drafted_ms.append(1000 * round_s)
         self.after_reference = step.reference
         if self.tree is None:
             return
@@ -87,7 +95,7 @@ class Meter:
     @property
     def plain_ms(self) -> float:
         if self.reference_ms:
-            return statistics.fmean(self.reference_ms)
+            return statistics.fmean(unslowed(self.reference_ms)) * burst_share(self.drafted_ms)
         return self.profile.plain_ms(self.prompt_len + self.tokens / 2) * self.load
 
     def turn(self) -> Turn:
@@ -95,6 +103,18 @@ class Meter:
         # and that must not read as drafts the profile got wrong.
         return Turn(self.strategy, self.tokens, self.engine_s, self.plain_ms, self.drafts, self.draft_s,
                     self.draft_profiled_s * self.load)
+
+
+def unslowed(times_ms: list[float]) -> list[float]:
+    """`times_ms` less the rounds over BURST times their median: those a burst of other work slowed."""
+    limit = BURST * statistics.median(times_ms)
+    return [t for t in times_ms if t <= limit]
+
+
+def burst_share(times_ms: list[float]) -> float:
+    """How much bursts of other work slowed these rounds on average: their mean over the mean of
+    those they left alone (1.0 without rounds)."""
+    return statistics.fmean(times_ms) / statistics.fmean(unslowed(times_ms)) if times_ms else 1.0
 
 
 @dataclass
