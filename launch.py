@@ -157,6 +157,8 @@ def serve(args: argparse.Namespace, service, store, key: str | None, private: Pa
     from app.api import api_routes
     from app.downloads import delete_after_download
     from app.guard import guard
+    from app.page_head import page_head
+    from app.page_scripts import FRAME_THROTTLE
     from app.private import private_folder
     from app.ui import build_ui, launch_options
     from core.config import TUNED
@@ -166,10 +168,12 @@ def serve(args: argparse.Namespace, service, store, key: str | None, private: Pa
                               "head": args.head or ""}, store=store, exports=private_folder(private / "exports"))
     # The OpenAI-compatible routes join Gradio's own FastAPI app: one server, one port, one guard
     # in front of both (app/guard.py: the Host, the Origin, the key).
-    # An export is deleted once downloaded (app/downloads.py), behind the guard.
+    # An export is deleted once downloaded (app/downloads.py), behind the guard. The page's HTML
+    # carries the script that keeps Gradio's status trackers from asking for 60 frames a second.
     app_kwargs = {"routes": api_routes(service, key),
                   "middleware": [guard(args.host, port, key, tuple(args.allow_origin)),
-                                 delete_after_download(Path(os.environ["GRADIO_TEMP_DIR"]), private / "exports")]}
+                                 delete_after_download(Path(os.environ["GRADIO_TEMP_DIR"]), private / "exports"),
+                                 page_head(FRAME_THROTTLE)]}
     demo.launch(server_name=args.host, server_port=port, inbrowser=not args.no_browser, prevent_thread_lock=True,
                 app_kwargs=app_kwargs, **launch_options())
     print(f"Aerie: ready at http://{args.host}:{port} in {time.time() - T0:.1f} s ({service.label}); "

@@ -33,3 +33,22 @@ def in_page(updates: tuple[dict, ...], passed: int = 0) -> dict[str, Any]:
     args = ", ".join(f"x{i}" for i in range(passed))
     return {"fn": None, "js": f"({args}) => [{args}{', ' if passed else ''}...{json.dumps(list(updates))}]",
             "queue": False, "api_visibility": "private"}
+
+
+# Gradio 6's status tracker animates its timer with requestAnimationFrame until its event's status
+# leaves "pending"; the tracker shown while the page loads is removed in the same update that
+# completes it, so its loop never learns and asks for a frame 60 times a second for the page's
+# whole life (every Gradio 6.31 app; a one-textbox page shows it). Each frame costs Chromium its
+# lifecycle: an idle page took ~10% of a core on the 2-core Zen 4, ~3.6% with this. The tracker
+# captures requestAnimationFrame when its module loads, so this runs in the page's HTML, before
+# any module (app/page_head.py): frames the trackers ask for come a quarter second later, so a
+# timer they draw still counts. A frame is the tracker's when the caller's source is Gradio's
+# statustracker chunk (frames[1]: frames[0] is this wrapper; V8 and Gecko stacks alike).
+FRAME_THROTTLE = """(() => { const frame = window.requestAnimationFrame.bind(window);
+  const tracker = /\\/statustracker-[\\w-]*\\.js/, at = /:\\d+:\\d+\\)?$/;
+  window.requestAnimationFrame = (callback) => {
+    const frames = (new Error().stack || "").split("\\n").filter((line) => at.test(line));
+    if (!tracker.test(frames[1] || "")) return frame(callback);
+    setTimeout(() => frame(callback), 250);
+    return 0;   // nothing to cancel by: the trackers never cancel their frames
+  }; })();"""

@@ -111,7 +111,7 @@ def _wire_saved_settings(demo: gr.Blocks, settings: list[gr.Component]) -> None:
     limits = {name: (getattr(c, "minimum", None), getattr(c, "maximum", None))
               for name, c in zip(saved_settings.FIELDS, fields)}
     private = {"queue": False, "api_visibility": "private"}
-    demo.load(bind(saved_settings.restore, limits), inputs=kept, outputs=fields, **private)
+    demo.load(bind(saved_settings.restore, limits), inputs=kept, outputs=fields, show_progress="hidden", **private)
     gr.on([c.change for c in fields], bind(saved_settings.remember, defaults), inputs=fields, outputs=kept,
           show_progress="hidden", **private)
 
@@ -187,7 +187,10 @@ def _chats_panel() -> SimpleNamespace:
 def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNamespace, answers: list) -> None:
     """The Chats panel's events, exports written under `exports`; `answers` are the respond and
     regenerate events, which save into the chat shown and lock the panel while they run."""
-    c, private = p.chats, {"api_visibility": "private"}
+    # No loading status on their outputs: they take milliseconds, and a status shown even that
+    # long mounts Gradio's loader, whose animation then runs ~3 s more at 60 frames a second
+    # (it stops only between its four spring moves), beside the answer sent next.
+    c, private = p.chats, {"api_visibility": "private", "show_progress": "hidden"}
     view = [c.list, p.chatbot, p.stats, c.title, c.exported]  # the order of a chats view
     # Unqueued: a click on New chat or a message sent right after the page opens must not be
     # overwritten by this opening view arriving late from the queue.
@@ -218,7 +221,7 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
     p.chatbot.clear(outputs=[*c.lock, p.monitor], **in_page(idle))  # Clear cancels the answer
     # Queued behind a running answer: the chat is redrawn from the store once it is saved.
     p.highlight.change(bind(chats.redraw, store), inputs=[c.list, p.highlight], outputs=p.chatbot,
-                       concurrency_id=ENGINE, concurrency_limit=1, show_progress="hidden", **private)
+                       concurrency_id=ENGINE, concurrency_limit=1, **private)
 
 
 def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, p: SimpleNamespace) -> list:
@@ -305,7 +308,7 @@ def _wire_monitor(demo: gr.Blocks, service: ChatServiceApi, store: ChatStore, m:
     """Refresh on load and every MONITOR_S seconds, idle or answering: unqueued, so it never waits
     behind an answer. The plot follows the chat selected in `chat_list`."""
     outputs, refresh = [m.memory, m.plot, m.tuning], bind(monitor.refresh, service, store)
-    demo.load(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private")
+    demo.load(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private", show_progress="hidden")
     m.timer.tick(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private",
                              show_progress="hidden")
 
@@ -325,12 +328,15 @@ def build_ui(service: ChatServiceApi, defaults: UiDefaults | Mapping[str, Any] |
             model = _model_panel(service, d)
             gauges = _monitor_panel()
         with gr.Column(elem_id="aerie-main"):
-            header = gr.Markdown(lambda: handlers.header(service.label), elem_id="aerie-header")
+            header = gr.Markdown(handlers.header(service.label), elem_id="aerie-header")
             page = SimpleNamespace(**vars(_chat_panel()), **vars(model), header=header, settings=settings,
                                    loads=handlers.Cancels(), chats=saved, monitor=gauges.timer)
         _wire_chats(demo, store, exports, page, _wire(service, store, cancels, page))
         _wire_monitor(demo, service, store, gauges, saved.list)
         _wire_saved_settings(demo, settings)
+        # The model shown as the page opens (another may have loaded since the page was built).
+        demo.load(lambda: handlers.header(service.label), outputs=header, queue=False, show_progress="hidden",
+                  api_visibility="private")
     demo.queue(default_concurrency_limit=1)
     demo._queue.sleep_when_free = QUEUE_POLL_S  # tests/test_ui_handlers.py checks the attribute is Gradio's
     return demo

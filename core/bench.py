@@ -285,6 +285,7 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
                                     paged=ServedTally() if page and name == "eagle" else None) for name in names}
     for i, (prompt, ids) in enumerate(zip(prompts, all_ids)):
         tuned = ""   # the server's own choice for this prompt, when it made one
+        api_tok_s = None  # the API's tok/s for eagle's answer to it, beside the page's
         for name in names:
             ties: set[int] = set()
             (out, tally), peak = measured(target.device, lambda: runner(name, ids, ties))
@@ -304,6 +305,7 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
                 same = answer.text == target.tokenizer.decode(out, skip_special_tokens=True)
                 res.served.add(answer, same)
                 res.served_by_category[prompt.category].add(answer, same)
+                api_tok_s = answer.tokens / answer.seconds if res.paged is not None and answer.seconds > 0 else api_tok_s
                 if SERVED[name] is None:
                     shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
                     tuned = f"\n      served: {answer.strategy}{shown} ({answer.tuning})"
@@ -315,7 +317,9 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
                 res.paged.add_ab(ab.ratio, answer.speedup, ab.identical)
                 shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
                 checked = f", A/B {ab.ratio:.2f}x" if ab.ratio is not None else ""
-                tuned += f"\n      page: {answer.strategy}{shown}{checked}"
+                speed = f", {answer.tokens / answer.seconds:.1f} tok/s" if answer.seconds > 0 else ""
+                speed += f" ({answer.tokens / answer.seconds / api_tok_s:.2f} of the API's)" if speed and api_tok_s else ""
+                tuned += f"\n      page: {answer.strategy}{shown}{checked}{speed}"
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names) + tuned, flush=True)
     return results

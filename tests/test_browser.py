@@ -232,3 +232,28 @@ def test_the_bench_page_client_times_answers_the_page_shows(server, browser):
     assert first.text == ServedClient(server[0]).answer("Name three colours as a numbered list.", 24, None).text.rstrip()
     assert questions_shown == ["Name three fruits."]   # a new chat for each prompt
     assert ab.identical is True and (ab.ratio is None) == (second.tokens <= 1)   # greedy: plain's text, token for token
+
+
+# Counts the frames the page asks the browser for (installed before the page's own scripts, so
+# the page's FRAME_THROTTLE wraps it: what it counts reached the browser).
+COUNT_FRAMES = """(() => { const frame = window.requestAnimationFrame.bind(window); window.__frames = 0;
+  window.requestAnimationFrame = (callback) => { window.__frames += 1; return frame(callback); }; })();"""
+
+
+def test_the_idle_page_asks_for_a_few_frames_a_second_not_sixty(browser, server):
+    """Gradio's start-up status tracker, removed while its timer runs, asks for a frame every
+    frame for the page's life (app/page_scripts.py FRAME_THROTTLE); an idle page drawing 60 times
+    a second took ~10% of a core from the engine. With the throttle: its timer's 4 a second."""
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        tab = context.new_page()
+        tab.add_init_script(COUNT_FRAMES)
+        tab.set_default_timeout(SEE_MS)
+        open_page(tab, server)
+        tab.wait_for_timeout(4000)   # Gradio's loader animates for ~3 s after the page has loaded
+        before = tab.evaluate("() => window.__frames")
+        tab.wait_for_timeout(3000)
+        asked = tab.evaluate("() => window.__frames") - before
+    finally:
+        context.close()
+    assert asked <= 45, f"the idle page asked for {asked} frames in 3 s"
