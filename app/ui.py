@@ -37,6 +37,14 @@ QUEUE_POLL_S = 0.005
 # Gradio's copies of exported chats: every minute, those older than ten minutes are deleted (a
 # download follows its export within seconds), and all of them when the server stops.
 EXPORT_CACHE = (60, 600)
+# No loading status on an event's outputs, for every event but a model's load (which shows its
+# progress). Gradio keeps the status it gives each output of an event (and each input: that part
+# is its own), and from then on every status message of every event snapshots each such
+# component's props (`structuredClone`; 6,100 -> 4,300 clones a 128-token answer with this) and
+# redraws its hidden tracker. And a status shown even for the milliseconds of New chat mounts
+# Gradio's loader, whose spring animation then runs ~3 s more at 60 frames a second (it stops
+# only between moves), beside the answer sent next.
+QUIET = {"show_progress": "hidden", "show_progress_on": []}
 
 
 @dataclass(frozen=True)
@@ -110,10 +118,9 @@ def _wire_saved_settings(demo: gr.Blocks, settings: list[gr.Component]) -> None:
     defaults = {name: c.value for name, c in zip(saved_settings.FIELDS, fields)}
     limits = {name: (getattr(c, "minimum", None), getattr(c, "maximum", None))
               for name, c in zip(saved_settings.FIELDS, fields)}
-    private = {"queue": False, "api_visibility": "private"}
-    demo.load(bind(saved_settings.restore, limits), inputs=kept, outputs=fields, show_progress="hidden", **private)
-    gr.on([c.change for c in fields], bind(saved_settings.remember, defaults), inputs=fields, outputs=kept,
-          show_progress="hidden", **private)
+    private = {"queue": False, "api_visibility": "private", **QUIET}
+    demo.load(bind(saved_settings.restore, limits), inputs=kept, outputs=fields, **private)
+    gr.on([c.change for c in fields], bind(saved_settings.remember, defaults), inputs=fields, outputs=kept, **private)
 
 
 def _model_panel(service: ChatServiceApi, d: UiDefaults) -> SimpleNamespace:
@@ -187,10 +194,7 @@ def _chats_panel() -> SimpleNamespace:
 def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNamespace, answers: list) -> None:
     """The Chats panel's events, exports written under `exports`; `answers` are the respond and
     regenerate events, which save into the chat shown and lock the panel while they run."""
-    # No loading status on their outputs: they take milliseconds, and a status shown even that
-    # long mounts Gradio's loader, whose animation then runs ~3 s more at 60 frames a second
-    # (it stops only between its four spring moves), beside the answer sent next.
-    c, private = p.chats, {"api_visibility": "private", "show_progress": "hidden"}
+    c, private = p.chats, {"api_visibility": "private", **QUIET}
     view = [c.list, p.chatbot, p.stats, c.title, c.exported]  # the order of a chats view
     # Unqueued: a click on New chat or a message sent right after the page opens must not be
     # overwritten by this opening view arriving late from the queue.
@@ -230,17 +234,16 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
     # No progress indicator on an answer: its timer redraws the page while the engine decodes (plain
     # decoding of 128 tokens, updates every 0.5 s, AMX Xeon: 1.63 s in the page against 0.77 through
     # the API with it, 0.80 against 0.67 without). The streaming text, Stop and the stats line show it runs.
+    # No status on any output (QUIET): each of the event's queue messages set one on every output,
+    # whose hidden trackers still ran timers; 4 prompts x 64 tokens x 2 in the page, 2-core Zen 4:
+    # Chromium's CPU per answer 204 -> 148 ms, the server's 806 -> 686.
     answer = {"outputs": [p.chatbot, p.stats, p.chats.list, p.chats.title], "concurrency_id": ENGINE,
-              "concurrency_limit": 1, "show_progress": "hidden"}
+              "concurrency_limit": 1, **QUIET}
     # Respond and regenerate end with a new `answered` value, whose change unlocks the page at once
     # (chats.answered); a Send pressed before their completion reaches the page waits for it
-    # (always_last) instead of being dropped. No status on any output (show_progress_on []): each
-    # of the event's queue messages set one on every output, whose hidden trackers still ran
-    # timers; 4 prompts x 64 tokens x 2 in the page, 2-core Zen 4: Chromium's CPU per answer
-    # 204 -> 148 ms, the server's 806 -> 686. Every output an update leaves as it is costs Gradio
+    # (always_last) instead of being dropped. Every output an update leaves as it is costs Gradio
     # a component built from it (~0.4 ms of the server's GIL each), so the controls are not outputs.
-    saved = {**answer, "outputs": [*answer["outputs"], p.answered], "trigger_mode": "always_last",
-             "show_progress_on": []}
+    saved = {**answer, "outputs": [*answer["outputs"], p.answered], "trigger_mode": "always_last"}
 
     locking, unlock = in_page(handlers.controls("answering")), in_page(handlers.controls("idle"))
     p.answered.change(outputs=lock, **unlock)  # the Chats panel and the monitor: _wire_chats
@@ -257,11 +260,11 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
     regenerate.failure(outputs=lock, **unlock)
     ab = p.ab.click(outputs=lock, **locking).then(
         bind(compare.compare, store, service, cancels), inputs=[p.chats.list, p.highlight],
-        api_name="ab", **{**answer, "outputs": [p.chatbot, p.stats], "show_progress_on": []})
+        api_name="ab", **{**answer, "outputs": [p.chatbot, p.stats]})
     ab.then(outputs=lock, **unlock)
     raced = p.race.click(outputs=lock, **locking).then(
         bind(race.race, store, service, cancels), inputs=[p.chats.list, p.highlight],
-        api_name="race", **{**answer, "outputs": [p.chatbot, p.stats], "show_progress_on": []})
+        api_name="race", **{**answer, "outputs": [p.chatbot, p.stats]})
     raced.then(outputs=lock, **unlock)
     p.stop.click(bind(handlers.stop, cancels), api_name="stop", queue=False)
     # The chatbot's own trash button: stop the answer too, and drop its remaining updates.
@@ -308,9 +311,8 @@ def _wire_monitor(demo: gr.Blocks, service: ChatServiceApi, store: ChatStore, m:
     """Refresh on load and every MONITOR_S seconds, idle or answering: unqueued, so it never waits
     behind an answer. The plot follows the chat selected in `chat_list`."""
     outputs, refresh = [m.memory, m.plot, m.tuning], bind(monitor.refresh, service, store)
-    demo.load(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private", show_progress="hidden")
-    m.timer.tick(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private",
-                             show_progress="hidden")
+    demo.load(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private", **QUIET)
+    m.timer.tick(refresh, inputs=chat_list, outputs=outputs, queue=False, api_visibility="private", **QUIET)
 
 
 def build_ui(service: ChatServiceApi, defaults: UiDefaults | Mapping[str, Any] | None = None, *,
@@ -335,8 +337,8 @@ def build_ui(service: ChatServiceApi, defaults: UiDefaults | Mapping[str, Any] |
         _wire_monitor(demo, service, store, gauges, saved.list)
         _wire_saved_settings(demo, settings)
         # The model shown as the page opens (another may have loaded since the page was built).
-        demo.load(lambda: handlers.header(service.label), outputs=header, queue=False, show_progress="hidden",
-                  api_visibility="private")
+        demo.load(lambda: handlers.header(service.label), outputs=header, queue=False, api_visibility="private",
+                  **QUIET)
     demo.queue(default_concurrency_limit=1)
     demo._queue.sleep_when_free = QUEUE_POLL_S  # tests/test_ui_handlers.py checks the attribute is Gradio's
     return demo
