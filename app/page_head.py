@@ -52,8 +52,8 @@ class PageHead:
             return body
         if b"content-encoding" in headers or HEAD_END not in body:
             # Gradio's page changed shape: the page still works, only without the script; say so.
-            print("Aerie: the page's HTML has no </head> to put its early script before; served without it",
-                  file=sys.stderr, flush=True)
+            why = "came compressed" if b"content-encoding" in headers else "has no </head>"
+            print(f"Aerie: the page's HTML {why}, so its early script is left out", file=sys.stderr, flush=True)
             return body
         return body.replace(HEAD_END, self.tag + HEAD_END, 1)
 

@@ -305,7 +305,8 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
                 same = answer.text == target.tokenizer.decode(out, skip_special_tokens=True)
                 res.served.add(answer, same)
                 res.served_by_category[prompt.category].add(answer, same)
-                api_tok_s = answer.tokens / answer.seconds if res.paged is not None and answer.seconds > 0 else api_tok_s
+                if res.paged is not None and answer.seconds > 0:
+                    api_tok_s = answer.tokens / answer.seconds
                 if SERVED[name] is None:
                     shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
                     tuned = f"\n      served: {answer.strategy}{shown} ({answer.tuning})"
@@ -317,8 +318,9 @@ def race(target: Target, prompts: list[Prompt], texts: list[str], all_ids: list[
                 res.paged.add_ab(ab.ratio, answer.speedup, ab.identical)
                 shown = f" {answer.speedup:.2f}x" if answer.speedup is not None else ""
                 checked = f", A/B {ab.ratio:.2f}x" if ab.ratio is not None else ""
-                speed = f", {answer.tokens / answer.seconds:.1f} tok/s" if answer.seconds > 0 else ""
-                speed += f" ({answer.tokens / answer.seconds / api_tok_s:.2f} of the API's)" if speed and api_tok_s else ""
+                page_tok_s = answer.tokens / answer.seconds if answer.seconds > 0 else None
+                speed = f", {page_tok_s:.1f} tok/s" if page_tok_s else ""
+                speed += f" ({page_tok_s / api_tok_s:.2f} of the API's)" if page_tok_s and api_tok_s else ""
                 tuned += f"\n      page: {answer.strategy}{shown}{checked}{speed}"
         print(f"  [{i + 1}/{len(prompts)}] {prompt.category}: "
               + "  ".join(f"{n} {len(results[n].outputs[i])} tok" for n in names) + tuned, flush=True)
