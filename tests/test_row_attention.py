@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
+from core.runtime.kv import keep_rows, static_cache
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.drafters import PlainDrafter
 from core.spec.eagle import EagleDrafter
@@ -22,12 +23,17 @@ def kernel(cache_dir):
     attention.load(cache_dir, cpu_flags())
 
 
+def attend(q, k, v, mask, scale):
+    """The kernel on keys (H, C, D) as the cache keeps them: transposed, C padded to a multiple of 16."""
+    return attention.attend(q, F.pad(k, (0, 0, 0, -k.shape[1] % 16)).transpose(1, 2).contiguous(), v, mask, scale)
+
+
 def case(heads: int, rows: int, n: int, lk: int, dim: int, seed: int):
     """q (H, rows, D); k, v (H, lk + 9, D) with the 9 rows past Lk garbage; mask (n, lk): each row
     sees the first lk - n columns and, among the last n, itself and a random subset."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(heads, size, dim, generator=g) for size in (rows, lk + 9, lk + 9))
-    k[:, lk:], v[:, lk:] = 1e30, 1e30
+    k[:, lk:], v[:, lk:] = 1e30, 1e30   # garbage past Lk: never read, or read and ignored
     visible = (torch.rand(n, n, generator=g) < 0.5) | torch.eye(n, dtype=torch.bool)
     mask = torch.zeros(n, lk)
     mask[:, lk - n:].masked_fill_(~visible, torch.finfo(torch.float32).min)
@@ -39,7 +45,7 @@ def case(heads: int, rows: int, n: int, lk: int, dim: int, seed: int):
 def test_attend_matches_fp64_sdpa(dim, n, lk):
     q, k, v, mask = case(heads=3, rows=3 * n, n=n, lk=lk, dim=dim, seed=dim + lk)
     scale = dim ** -0.5
-    out = attention.attend(q, k, v, mask, scale)
+    out = attend(q, k, v, mask, scale)
     want = F.scaled_dot_product_attention(q.double(), k[:, :lk].double(), v[:, :lk].double(),
                                           attn_mask=mask.double().repeat(3, 1), scale=scale)
     assert out.shape == q.shape and out.dtype == torch.float32
@@ -48,13 +54,13 @@ def test_attend_matches_fp64_sdpa(dim, n, lk):
 
 def test_a_row_is_the_same_alone_beside_others_and_whatever_the_padding():
     q, k, v, mask = case(heads=2, rows=3 * 8, n=8, lk=200, dim=64, seed=3)
-    together = attention.attend(q, k, v, mask, 0.125)
+    together = attend(q, k, v, mask, 0.125)
     for row in range(24):
-        alone = attention.attend(q[:, row: row + 1], k, v, mask[row % 8: row % 8 + 1], 0.125)
+        alone = attend(q[:, row: row + 1], k, v, mask[row % 8: row % 8 + 1], 0.125)
         assert torch.equal(alone[:, 0], together[:, row]), row
     padded = torch.cat([mask, torch.full((8, 7), torch.finfo(torch.float32).min)], 1)   # 7 more blocked columns
     k[:, 200:207], v[:, 200:207] = torch.randn(2, 7, 64), torch.randn(2, 7, 64)
-    assert torch.equal(attention.attend(q, k, v, padded, 0.125), together)
+    assert torch.equal(attend(q, k, v, padded, 0.125), together)
 
 
 def test_a_tree_nodes_row_is_its_token_alone_wherever_its_column_sits():
@@ -66,20 +72,40 @@ def test_a_tree_nodes_row_is_its_token_alone_wherever_its_column_sits():
     for _ in range(40):
         past, gap = int(torch.randint(5, 150, (), generator=g)), int(torch.randint(1, 9, (), generator=g))
         q, k, v = (torch.randn(3, rows, 64, generator=g) for rows in (3, past + gap + 1, past + gap + 1))
-        alone = attention.attend(q, k, v, torch.zeros(1, past + 1), 0.125)          # the token at column `past`
+        alone = attend(q, k, v, torch.zeros(1, past + 1), 0.125)          # the token at column `past`
         k[:, past + gap], v[:, past + gap] = k[:, past].clone(), v[:, past].clone()  # the node at past + gap
         k[:, past: past + gap], v[:, past: past + gap] = torch.randn(2, 3, gap, 64, generator=g)
         mask = torch.zeros(1, past + gap + 1)
         mask[0, past: past + gap] = blocked                                          # its siblings
-        assert torch.equal(attention.attend(q, k, v, mask, 0.125), alone), (past, gap)
+        assert torch.equal(attend(q, k, v, mask, 0.125), alone), (past, gap)
+
+
+def test_the_transposed_cache_holds_the_keys_a_plain_cache_holds_through_writes_and_commits():
+    """kv.TransposedKVLayer's keys are a StaticLayer's transposed after the same forwards' writes and
+    a tree's commit, and it pads its rows to a multiple of 16."""
+    plain, turned = (static_cache(2, 70, 3, 16, torch.float32, torch.device("cpu"), keys_transposed=t) for t in (False, True))
+    g = torch.Generator().manual_seed(6)
+    for rows in (13, 6, 9):
+        k, v = torch.randn(2, 1, 3, rows, 16, generator=g)
+        for cache in (plain, turned):
+            cache.update(k, v, 0)
+            cache.update(k + 1, v + 1, 1)
+    for cache in (plain, turned):
+        keep_rows(cache, 14, torch.tensor([0, 3, 4, 11]))     # rows 14, 17, 18, 25 -> 14..17
+    for a, b in zip(plain.layers, turned.layers):
+        assert b.keys.shape == (1, 3, 16, 80)
+        assert torch.equal(a.keys.transpose(2, 3), b.keys[..., :70]) and torch.equal(a.values, b.values)
+        assert int(a.cumulative_length) == int(b.cumulative_length) == 18
 
 
 def test_bad_inputs_are_refused_with_the_reason():
     q, k, v, mask = case(heads=2, rows=4, n=4, lk=20, dim=64, seed=0)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
-        attention.attend(q, k.double(), v, mask, 1.0)
+        attend(q, k.double(), v, mask, 1.0)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        attention.attend(q[..., :40], k[..., :40].contiguous(), v[..., :40].contiguous(), mask, 1.0)
+        attend(q[..., :40], k[..., :40].contiguous(), v[..., :40].contiguous(), mask, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16 >= Lk"):
+        attention.attend(q, k.transpose(1, 2).contiguous(), v, mask, 1.0)    # 29 key rows: not padded
     assert not attention.supports(40) and attention.supports(128) and not attention.supports(256)
 
 

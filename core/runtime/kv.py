@@ -2,7 +2,8 @@
 and the EAGLE head's (core/runtime/head_step.py).
 
 Each layer is a `StaticLayer`: keys/values in one buffer `(1, Hkv, C, Dh)` allocated once, and a
-length counter L kept as a device tensor. A forward writes its T new rows at [L, L+T) in place and
+length counter L kept as a device tensor. A CPU target on the row attention kernel keeps its keys
+transposed, `(1, Hkv, Dh, C)`, as that kernel reads them (`TransposedKVLayer`, models/attention.py). A forward writes its T new rows at [L, L+T) in place and
 returns the whole buffer; the caller's additive mask decides which rows each query sees, and its
 width Lk <= C how many rows attention reads. Nothing is ever reallocated or copied whole, so a
 compiled graph (a CUDA graph included) can keep the buffers' addresses.
@@ -14,6 +15,8 @@ the accepted rows move to [start, start+a). Only those a rows are copied, whatev
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from models.attention import KEY_ALIGN
+
 CPU_KV_BLOCK = 64  # on a CPU attention reads the rows in use rounded up to this many
 
 
@@ -24,11 +27,41 @@ class KVLayer(StaticLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args, **kwargs)
 
+    def move_rows(self, source: torch.Tensor, start: int) -> None:
+        """Rows `source` (ascending, all >= start) to [start, start + len(source))."""
+        self.keys[:, :, start: start + len(source)] = self.keys.index_select(2, source)  # index_select copies
+        self.values[:, :, start: start + len(source)] = self.values.index_select(2, source)
+
+
+class TransposedKVLayer(KVLayer):
+    """Keys (1, Hkv, Dh, C) with C rounded up to KEY_ALIGN: element d of neighbouring keys side by
+    side, as the row attention kernel reads them (models/attention.py); values as a StaticLayer's."""
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        rows = -(-self.max_cache_len // KEY_ALIGN) * KEY_ALIGN
+        self.keys = torch.zeros((self.batch_size, self.num_heads, self.k_head_dim, rows), dtype=key_states.dtype,
+                                device=self.device)
+        torch._dynamo.mark_static_address(self.keys)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length   # (T,)
+        self.cumulative_length.add_(key_states.shape[-2])
+        self.keys.index_copy_(3, positions, key_states.transpose(2, 3).to(self.keys.dtype))
+        self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def move_rows(self, source: torch.Tensor, start: int) -> None:
+        self.keys[..., start: start + len(source)] = self.keys.index_select(3, source)
+        self.values[:, :, start: start + len(source)] = self.values.index_select(2, source)
+
 
 def static_cache(layers: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> Cache:
-    """`layers` KV layers of `capacity` rows each, allocated now (so their addresses never change)."""
-    cache = Cache(layers=[KVLayer(capacity) for _ in range(layers)])
+                 device: torch.device, keys_transposed: bool = False) -> Cache:
+    """`layers` KV layers of `capacity` rows each, allocated now (so their addresses never change);
+    keys_transposed: as the row attention kernel reads them (TransposedKVLayer)."""
+    layer = TransposedKVLayer if keys_transposed else KVLayer
+    cache = Cache(layers=[layer(capacity) for _ in range(layers)])
     cache.early_initialization(1, kv_heads, head_dim, dtype, device)
     return cache
 
@@ -44,8 +77,7 @@ def keep_rows(cache: Cache, start: int, rows: torch.Tensor) -> None:
     if rows.tolist() != list(range(len(rows))):  # kept rows already in place (plain, a chain): no copy
         source = rows.to(cache.layers[0].keys.device) + start
         for layer in cache.layers:
-            layer.keys[:, :, start: start + len(rows)] = layer.keys.index_select(2, source)  # index_select copies
-            layer.values[:, :, start: start + len(rows)] = layer.values.index_select(2, source)
+            layer.move_rows(source, start)
     set_length(cache, start + len(rows))
 
 

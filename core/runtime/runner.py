@@ -64,9 +64,11 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
 def row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """tree_attention on models/attention.py's kernel for up to MAX_ROWS query tokens (a verify, a
     short prefill chunk): each row alone in one fixed fp32 order over the fp32 cache, so a tree's
-    rows equal one token's bit for bit. Longer chunks (a prompt's prefill) keep fp32 SDPA."""
+    rows equal one token's bit for bit. key (1, Hkv, D, C): the cache's keys transposed
+    (kv.TransposedKVLayer). Other calls (a 2D mask, more rows) keep fp32 SDPA."""
     if attention_mask is None or attention_mask.dim() != 4 or query.shape[0] != 1 or query.shape[2] > attention.MAX_ROWS:
-        return tree_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        keys = key.transpose(2, 3)[:, :, : value.shape[2]]                                   # (1, Hkv, C, D)
+        return tree_attention(module, query, keys, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     _, q_heads, n, dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(kv_heads, q_heads // kv_heads * n, dim).float()                 # (Hkv, r*N, D)
@@ -135,7 +137,8 @@ class TargetRunner:
         register_attention()
         target.model.set_attn_implementation(ROW_ATTENTION if self.row_attention else ATTENTION)
         self.num_layers = text.num_hidden_layers
-        self.cache = static_cache(self.num_layers, self.capacity, text.num_key_value_heads, head_dim, kv_dtype, self.device)
+        self.cache = static_cache(self.num_layers, self.capacity, text.num_key_value_heads, head_dim, kv_dtype, self.device,
+                                  keys_transposed=self.row_attention)
         self.length = 0                  # L, the cache's length counter mirrored on the host
         self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
         self.verified_at = 0             # L before the last verify: where commit moves the kept rows

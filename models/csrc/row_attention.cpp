@@ -3,20 +3,26 @@
 // on AVX-512 and AVX2 machines (each build's arithmetic fixed at compile time).
 //
 // q (H, R, D): H KV heads, R = r * N query rows each (GQA folded: row i reads mask row i % N);
-// k, v (H, C, D): the cache, of which the first Lk rows are read; mask (N, Lk) additive (0 sees,
-// a large negative number blocks). out (H, R, D) = softmax(q k^T * scale + mask) v.
+// kt (H, D, C): the cached keys transposed, so element d of 16 neighbouring keys is one vector;
+// v (H, C, D); the first Lk keys and values are read. mask (N, Lk) additive: a column is seen where
+// its entry is above -1e30 (0), blocked where it is a large negative number (finfo.min, -inf).
+// out (H, R, D) = softmax(q k^T * scale + mask) v.
 //
-// Per row: s_j = hsum(q . k_j) * scale + mask_j, with lane l of the dot summing d = l, l+L, ...
-// (L lanes: 16 on AVX-512, 8 on AVX2) and hsum a fixed tree; m = max s; p_j = exp(s_j - m); sum p
-// adds the nonzero p_j in order of j, the i-th of them in lane i mod L, then the same tree; out =
-// (sum of p_j v_j in order of j) / sum p. A blocked column gives p_j = 0 exactly and drops out of
-// both sums, so a row's value depends only on the sequence of columns it sees, not on where they
-// sit: the same alone or in a tree of many rows (where a node's own column is L + its index, not
-// L + its depth as when its token comes alone), whatever Lk's padding.
+// Per row: s_j = q_0 k_j0 + q_1 k_j1 + ... in order of d (each step one fused multiply-add where
+// the CPU has FMA), 16 columns at once, then * scale + mask_j; m = max s; p_j = exp(s_j - m);
+// sum p adds the seen columns' p_j in order of j, the i-th seen one in lane i mod L (L lanes: 16
+// on AVX-512, 8 on AVX2), then a fixed tree over the lanes; out = (sum of p_j v_j in order of j)
+// / sum p. A blocked column gives p_j = 0 exactly and adds nothing to the second sum, so a row's
+// value depends only on the sequence of columns it sees, not on where they sit: the same alone or
+// in a tree of many rows (where a node's own column is L + its index, not L + its depth as when
+// its token comes alone), whatever Lk's padding. (Keys row by row instead cost a horizontal sum
+// per row and column, ~30 cycles: 2-2.5x this kernel's time at Lk 1024-2752 on a 2-core Zen 4.)
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include <immintrin.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +31,10 @@
 namespace {
 
 #include "lanes.h"
+
+constexpr int KB = 16;         // columns a step of the scores computes
+constexpr int V = KB / L;      // vectors of those
+constexpr float SEEN = -1e30f; // a mask entry above this sees its column
 
 inline float hsum(vf a) {  // lanes [0, L/2) + [L/2, L), then halves again: one fixed order
   float t[L];
@@ -35,6 +45,19 @@ inline float hsum(vf a) {  // lanes [0, L/2) + [L/2, L), then halves again: one 
 }
 
 inline vf splat(float x) { return vf{} + x; }
+
+// a * b + c rounded once where the CPU has FMA, else twice: spelled out, so every instantiation
+// rounds the same way (the build forbids the compiler's own contraction, which could differ
+// between a row computed alone and one beside others).
+inline vf fma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && defined(__AVX__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
 
 
 // exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p of degree 6
@@ -64,42 +87,58 @@ inline vf exp_nonpositive(vf x) {
   return e;
 }
 
-// The sum of p (n values; `packed` holds n rounded up to L) over its nonzero entries in order, the i-th in
-// lane i mod L: lanes by a column's rank among the seen ones, not by its index.
-inline float sum_seen(const float* p, int64_t n, float* packed) {
-  int64_t count = 0;
-  for (int64_t j = 0; j < n; j++) {
+// The sum of p over the seen columns (mask above SEEN), the i-th seen one in lane i mod L: columns
+// [0, dense) are all seen (rank = index: plain vector adds), the rest are packed by rank into
+// `packed` (Lk + L floats).
+inline float sum_seen(const float* p, const float* mask, int64_t dense, int64_t lk, float* packed) {
+  const int64_t aligned = dense / L * L;
+  vf total{};
+  for (int64_t j = 0; j < aligned; j += L) total += load(p + j);
+  int64_t count = dense - aligned;
+  std::memcpy(packed, p + aligned, count * sizeof(float));
+  for (int64_t j = dense; j < lk; j++) {
     packed[count] = p[j];
-    count += p[j] != 0.0f;
+    count += mask[j] > SEEN;
   }
   for (int64_t j = count; j % L; j++) packed[j] = 0.0f;
-  vf total{};
   for (int64_t j = 0; j < count; j += L) total += load(packed + j);
   return hsum(total);
 }
 
-// B <= 4 query rows of one head, sharing each k_j and v_j load: q[b], out[b] (D,), D = C L;
-// k, v (Lk, D); mask[b] (Lk,); s[b] and packed scratch (Lk rounded up to 16). Each row's arithmetic is its own.
+// B <= 4 query rows of one head, sharing each key's and value's loads: q[b], out[b] (D,), D = C L;
+// kt (D, cap) with cap >= Lk rounded up to 16, v (Lk, D); mask[b] (Lk,), its first dense[b] columns
+// all seen; s[b] (Lk rounded up to 16) and packed (Lk + L) scratch. Each row's arithmetic is its own.
 template <int D, int B>
-void rows_of(const float* const* q, const float* k, const float* v, const float* const* mask, float* const* out,
-             float* const* s, float* packed, int64_t lk, float scale) {
+void rows_of(const float* const* q, const float* kt, int64_t cap, const float* v, const float* const* mask, const int64_t* dense,
+             float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
   constexpr int C = D / L;
-  const int64_t padded = (lk + 15) / 16 * 16;
-  vf qv[B][C];
+  const int64_t blocks = (lk + KB - 1) / KB, padded = blocks * KB;
+  float tail[B][KB];   // the last 16 columns' mask (those past Lk are set blocked below, whatever kt holds there)
   for (int b = 0; b < B; b++)
-    for (int c = 0; c < C; c++) qv[b][c] = load(q[b] + L * c);
-  for (int64_t j = 0; j < lk; j++) {
-    vf key[C];
-    for (int c = 0; c < C; c++) key[c] = load(k + j * D + L * c);
+    for (int l = 0; l < KB; l++) {
+      const int64_t j = padded - KB + l;
+      tail[b][l] = j < lk ? mask[b][j] : 0.0f;
+    }
+  for (int64_t jb = 0; jb < blocks; jb++) {
+    const float* block = kt + jb * KB;
+    vf acc[B][V] = {};
+    for (int d = 0; d < D; d++) {
+      vf key[V];
+      for (int u = 0; u < V; u++) key[u] = load(block + d * cap + u * L);
+      for (int b = 0; b < B; b++) {
+        const vf qd = splat(q[b][d]);
+        for (int u = 0; u < V; u++) acc[b][u] = fma(qd, key[u], acc[b][u]);
+      }
+    }
     for (int b = 0; b < B; b++) {
-      vf acc = qv[b][0] * key[0];
-      for (int c = 1; c < C; c++) acc += qv[b][c] * key[c];
-      s[b][j] = hsum(acc) * scale + mask[b][j];
+      const float* m = jb + 1 < blocks ? mask[b] + jb * KB : tail[b];
+      for (int u = 0; u < V; u++) store(s[b] + jb * KB + u * L, acc[b][u] * scale + load(m + u * L));
     }
   }
+  for (int b = 0; b < B; b++)
+    for (int64_t j = lk; j < padded; j++) s[b][j] = -3.0e38f;
   float sum[B];
   for (int b = 0; b < B; b++) {
-    for (int64_t j = lk; j < padded; j++) s[b][j] = -3.0e38f;
     vf top = load(s[b]);
     for (int64_t j = L; j < padded; j += L) {
       const vf x = load(s[b] + j);
@@ -108,7 +147,7 @@ void rows_of(const float* const* q, const float* k, const float* v, const float*
     float m = top[0];
     for (int l = 1; l < L; l++) m = top[l] > m ? top[l] : m;
     for (int64_t j = 0; j < padded; j += L) store(s[b] + j, exp_nonpositive(load(s[b] + j) - m));
-    sum[b] = sum_seen(s[b], lk, packed);
+    sum[b] = sum_seen(s[b], mask[b], dense[b], lk, packed);
   }
   // A blocked column's p is 0 and its cached v finite: adding 0 * v leaves a row's sum as it was.
   vf acc[B][C] = {};
@@ -117,7 +156,7 @@ void rows_of(const float* const* q, const float* k, const float* v, const float*
     for (int c = 0; c < C; c++) val[c] = load(v + j * D + L * c);
     for (int b = 0; b < B; b++) {
       const vf p = splat(s[b][j]);
-      for (int c = 0; c < C; c++) acc[b][c] += p * val[c];
+      for (int c = 0; c < C; c++) acc[b][c] = fma(p, val[c], acc[b][c]);
     }
   }
   for (int b = 0; b < B; b++)
@@ -125,58 +164,75 @@ void rows_of(const float* const* q, const float* k, const float* v, const float*
 }
 
 template <int D>
-void rows_for(int B, const float* const* q, const float* k, const float* v, const float* const* mask, float* const* out,
-              float* const* s, float* packed, int64_t lk, float scale) {
+void rows_for(int B, const float* const* q, const float* kt, int64_t cap, const float* v, const float* const* mask,
+              const int64_t* dense, float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
   switch (B) {
-    case 1: return rows_of<D, 1>(q, k, v, mask, out, s, packed, lk, scale);
-    case 2: return rows_of<D, 2>(q, k, v, mask, out, s, packed, lk, scale);
-    case 3: return rows_of<D, 3>(q, k, v, mask, out, s, packed, lk, scale);
-    default: return rows_of<D, 4>(q, k, v, mask, out, s, packed, lk, scale);
+    case 1: return rows_of<D, 1>(q, kt, cap, v, mask, dense, out, s, packed, lk, scale);
+    case 2: return rows_of<D, 2>(q, kt, cap, v, mask, dense, out, s, packed, lk, scale);
+    case 3: return rows_of<D, 3>(q, kt, cap, v, mask, dense, out, s, packed, lk, scale);
+    default: return rows_of<D, 4>(q, kt, cap, v, mask, dense, out, s, packed, lk, scale);
   }
 }
 
-at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && mask.dim() == 2, "q, k, v (H, rows, D), mask (N, Lk)");
-  for (const at::Tensor* t : {&q, &k, &v, &mask})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "q, k, v and mask must be contiguous fp32");
+at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kt.dim() == 3 && v.dim() == 3 && mask.dim() == 2,
+              "q (H, rows, D), kt (H, D, C), v (H, C, D), mask (N, Lk)");
+  for (const at::Tensor* t : {&q, &kt, &v, &mask})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "q, kt, v and mask must be contiguous fp32");
   const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), n = mask.size(0), lk = mask.size(1);
   TORCH_CHECK(d % 16 == 0 && d >= 16 && d <= 128, "the head size must be a multiple of 16 up to 128");
-  TORCH_CHECK(k.size(0) == heads && v.sizes() == k.sizes() && k.size(2) == d && k.size(1) >= lk, "k and v must be (H, C >= Lk, D)");
+  const int64_t cap = kt.size(2), width = (lk + KB - 1) / KB * KB;
+  TORCH_CHECK(kt.size(0) == heads && kt.size(1) == d && v.size(0) == heads && v.size(2) == d && cap >= width
+              && cap % KB == 0 && v.size(1) >= lk, "kt must be (H, D, C) and v (H, C, D), C a multiple of 16 >= Lk");
   TORCH_CHECK(rows % n == 0, "the rows must be whole groups of the mask's N");
   at::Tensor out = at::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *mp = mask.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *vp = v.data_ptr<float>(), *mp = mask.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t cache_rows = k.size(1), width = (lk + 15) / 16 * 16;
+  const int64_t key_stride = cap * d, value_stride = v.size(1) * d;
+  std::vector<int64_t> dense(n);   // each mask row's first blocked column (all before it are seen)
+  for (int64_t i = 0; i < n; i++) {
+    const float* m = mp + i * lk;
+    int64_t j = 0;
+    while (j < lk && m[j] > SEEN) j++;
+    dense[i] = j;
+  }
   // A task is up to 4 rows of one head, and a thread takes at least ~1024 columns of work, so one
   // token's few rows do not pay for starting a thread.
-  const int64_t blocks = (rows + 3) / 4;
+  // Up to 4 rows a task; fewer where the heads would not give every thread two tasks (one token's
+  // 3 rows a head over 3 heads: 3 tasks on 2 threads left one idle a third of the time).
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = std::max<int64_t>(1, (2 * threads + heads - 1) / heads);
+  const int64_t size = std::clamp<int64_t>((rows + want - 1) / want, 1, 4);
+  const int64_t groups = (rows + size - 1) / size;
   const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(lk, 1));
-  at::parallel_for(0, heads * blocks, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scratch(5 * width);  // s of up to 4 rows, then packed
+  at::parallel_for(0, heads * groups, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scratch(4 * width + lk + L);  // s of up to 4 rows, then packed
     float* packed = scratch.data() + 4 * width;
     for (int64_t t = lo; t < hi; t++) {
-      const int64_t h = t / blocks, r0 = (t % blocks) * 4;
-      const int B = int(std::min<int64_t>(4, rows - r0));
+      const int64_t h = t / groups, r0 = (t % groups) * size;
+      const int B = int(std::min<int64_t>(size, rows - r0));
       const float* qs[4];
       const float* ms[4];
+      int64_t ds[4];
       float* os[4];
       float* ss[4];
       for (int b = 0; b < B; b++) {
         qs[b] = qp + (h * rows + r0 + b) * d;
         ms[b] = mp + ((r0 + b) % n) * lk;
+        ds[b] = dense[(r0 + b) % n];
         os[b] = op + (h * rows + r0 + b) * d;
         ss[b] = scratch.data() + b * width;
       }
-      const float *kh = kp + h * cache_rows * d, *vh = vp + h * cache_rows * d;
+      const float *kh = kp + h * key_stride, *vh = vp + h * value_stride;
       switch (d / 16) {
-        case 1: rows_for<16>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
-        case 2: rows_for<32>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
-        case 3: rows_for<48>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
-        case 4: rows_for<64>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
-        case 5: rows_for<80>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
-        case 6: rows_for<96>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
-        case 7: rows_for<112>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
-        default: rows_for<128>(B, qs, kh, vh, ms, os, ss, packed, lk, float(scale)); break;
+        case 1: rows_for<16>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 2: rows_for<32>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 3: rows_for<48>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 4: rows_for<64>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 5: rows_for<80>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 6: rows_for<96>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 7: rows_for<112>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        default: rows_for<128>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
       }
     }
   });
@@ -185,5 +241,5 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
-TORCH_LIBRARY(aerie_attn, lib) { lib.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor"); }
+TORCH_LIBRARY(aerie_attn, lib) { lib.def("attend(Tensor q, Tensor kt, Tensor v, Tensor mask, float scale) -> Tensor"); }
 TORCH_LIBRARY_IMPL(aerie_attn, CPU, lib) { lib.impl("attend", &attend); }
