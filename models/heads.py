@@ -167,10 +167,27 @@ class Attention(nn.Module):
         lk = mask.shape[-1]  # a preallocated cache returns all C rows; attention reads the first Lk
         k, v = k[:, :, :lk], v[:, :, :lk]
         repeat = q.shape[1] // k.shape[1]
-        if repeat > 1:  # grouped-query attention: each key-value head serves `repeat` query heads
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))  # (B, nh, T, Dh)
+        y = grouped_attention(q, k, v, mask.to(q.dtype), repeat, fold=cache is not None)   # (B, nh, T, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, repeat: int,
+                      fold: bool) -> torch.Tensor:
+    """Grouped-query attention: q (B, nh, T, Dh), k, v (B, nkv, L, Dh), each key-value head serving
+    `repeat` query heads; mask (.., T, L) additive -> (B, nh, T, Dh). With `fold` (a draft's few
+    rows over a long cache) the query heads of a key-value head become rows of one query, the mask
+    repeated for them, so K and V are not copied: a head step at a 2,700-token context, 2-core Zen 4,
+    0.8-1.8 ms with the copies, 0.3-0.5 without. Unfolded (training's long rows, where a repeated
+    T x L mask would cost more than the copies) K and V are repeated per query head."""
+    if repeat == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if not fold:
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1),
+                                              attn_mask=mask)
+    B, nh, T, Dh = q.shape
+    folded = q.reshape(B, nh // repeat, repeat * T, Dh)                       # query head h -> kv head h // repeat
+    rows = mask.repeat(*([1] * (mask.dim() - 2)), repeat, 1)                    # (.., repeat * T, L)
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=rows).view(B, nh, T, Dh)
 
 
 class MLP(nn.Module):
