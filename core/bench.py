@@ -59,6 +59,7 @@ class Tally:
     tie_divergences: int = 0    # answers that left plain's only at a near-tie (runner.tie_margin)
     tree_tokens: int = 0        # tokens verified by the rounds after the prefill (tree sizes, summed)
     reference_rounds: int = 0   # plain rounds a tuned EAGLE answer timed for its meter: not in `rounds`
+    prefill_s: float = 0.0      # of `seconds`, until each answer's first token (Aerie's strategies)
     trees: Counter = field(default_factory=Counter)  # tuned runs: prompts per tree shape
     shown: list[float] = field(default_factory=list)  # each answer's speedup as the page shows it (a tuner's runs)
 
@@ -66,7 +67,7 @@ class Tally:
     def of(cls, log: TurnLog, seconds: float) -> "Tally":
         s, tree = log.stats, log.plan.tree if log.plan and log.plan.strategy == "eagle" else None  # EAGLE's shapes
         return cls(s.new_tokens, seconds, s.target_steps - s.reference_rounds, s.accepted, s.drafted, log.draft_s,
-                   log.verify_s, log.commit_s, reference_rounds=s.reference_rounds,
+                   log.verify_s, log.commit_s, reference_rounds=s.reference_rounds, prefill_s=s.prefill_s,
                    trees=Counter([shape_name(tree)]) if tree else Counter(), shown=[s.speedup] if s.speedup else [])
 
     @property
@@ -76,7 +77,7 @@ class Tally:
 
     def add(self, other: "Tally") -> None:
         for name in ("tokens", "seconds", "rounds", "accepted", "drafted", "draft_s", "verify_s", "commit_s",
-                     "tree_tokens", "reference_rounds"):
+                     "tree_tokens", "reference_rounds", "prefill_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.lossless = None if None in (self.lossless, other.lossless) else self.lossless and other.lossless
         self.tie_divergences += other.tie_divergences
@@ -346,6 +347,8 @@ def summarise(target: Target, engines: dict[str, Engine], prompts: list[Prompt],
         entry = {"tok_s": round(t.tokens / t.seconds, 2), "accept_len": round(t.accept_len, 3) if t.rounds else None,
                  "speedup_vs_plain": round((t.tokens / t.seconds) / (plain.tokens / plain.seconds), 3),
                  "lossless": t.lossless, "tie_divergences": t.tie_divergences, "peak_mem_mb": round(res.peak_mem_mb)}
+        if t.prefill_s:   # the tokens after each answer's first over the time after it: the decoding alone
+            entry["decode_tok_s"] = round((t.tokens - len(prompts)) / (t.seconds - t.prefill_s), 2)
         if t.rounds > len(prompts):
             entry["tree_tokens"] = round(t.tree_tokens / (t.rounds - len(prompts)), 1)  # verified per round, mean
         if t.shown:   # what the page would have shown, against speedup_vs_plain (the wall-clock ratio)

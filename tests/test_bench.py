@@ -28,6 +28,7 @@ def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
     assert set(s["eagle"]["round_ms"]) == {"draft", "verify", "commit"}
     assert s["eagle"]["accept_rate"] is not None and "speedup_vs_hf" in s["eagle"]
     assert s["eagle"]["shown_speedup"] > 0 and "shown_speedup" not in s["plain"]   # the page's, beside the wall clock's
+    assert all(s[n]["decode_tok_s"] > 0 for n in ("plain", "eagle")) and "decode_tok_s" not in s["hf_generate"]
     assert json.loads(json.dumps(report))["strategies"].keys() == s.keys()  # launch.py prints it as one JSON line
     assert "category" in capsys.readouterr().out  # the per-category table
 
