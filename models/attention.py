@@ -11,13 +11,13 @@ padding of Lk). Built for the CPU's vector width: AVX-512, AVX2 or plain SSE. On
 for SmolLM2-135M (3 KV heads x 3 query heads each), us, 1 / 8 tokens: 2-core EPYC with AVX2, Lk
 128: 15 / 53 against fp64 SDPA's 95 / 176; Lk 512: 34 / 155 against 182 / 444.
 
-It reads the keys transposed, (H, D, C) (the runner's cache keeps them so): 16 columns' scores
-are then 64 vector multiply-adds, where keys row by row cost a horizontal sum per row and column.
-On the 2-core Zen 4 (AVX-512), one layer's call, the same K/V over and over (so in cache), us, 1 /
-8 tokens: Lk 1024 29-32 / 132-150 against 59-86 / 318-475 row by row; Lk 2752 69-76 / 343-393
-against 146-199 / 845-1153. In the model, 30 layers at a 2,700-token context, an 8-token tree's
-call took 476 us against 1,165, while one token's stayed at ~240: that one streams the layer's
-4.2 MB of fp32 K/V from memory (127 MB a token), bandwidth, not arithmetic.
+It reads the keys in blocks of 16, each transposed, (H, C/16, D, 16) (the runner's cache keeps
+them so): 16 columns' scores are then 64 vector multiply-adds, where keys row by row cost a
+horizontal sum per row and column. 2-core Zen 4 (AVX-512), 30 layers' calls over distinct K/V (as
+a forward reads them: from memory at long contexts), ms, 1 / 2 / 8 tokens: Lk 256 0.78 / 0.85 /
+2.60 row by row, 0.39 / 0.52 / 1.24 in blocks; Lk 1024 2.17 / 3.10 / 10.28 against 1.55 / 1.89 /
+4.86; Lk 2752 6.05 / 8.26 / 26.64 against 4.93 / 5.60 / 12.81. (Keys wholly transposed, (H, D, C),
+computed alike but read 64 strided streams: 8.59 / 9.64 / 16.83 at Lk 2752.)
 """
 
 from collections.abc import Iterable
@@ -29,7 +29,7 @@ from models.native import CSRC, build, digest
 
 NAME = "row_attention"
 MAX_ROWS = 64            # query tokens per call it serves: a verify's; longer prefills keep fp32 SDPA
-KEY_ALIGN = 16           # the transposed keys' rows come in multiples of this (the kernel reads 16 columns a step)
+KEY_BLOCK = 16           # keys per block of the cache's layout (`blocked`)
 
 
 def supports(head_dim: int) -> bool:
@@ -58,9 +58,23 @@ def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
         torch.library.register_fake("aerie_attn::attend", lambda q, k, v, mask, scale: torch.empty_like(q))
 
 
-def attend(query: torch.Tensor, keys_t: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+def blocked(keys: torch.Tensor) -> torch.Tensor:
+    """keys (..., C, D) -> (..., C/16, D, 16), C rounded up with zero rows: block b, transposed,
+    holds keys 16b..16b+15, element d of them side by side."""
+    rows, dim = keys.shape[-2:]
+    padded = torch.nn.functional.pad(keys, (0, 0, 0, -rows % KEY_BLOCK))
+    return padded.reshape(*keys.shape[:-2], -1, KEY_BLOCK, dim).transpose(-1, -2).contiguous()
+
+
+def unblocked(key_blocks: torch.Tensor, rows: int) -> torch.Tensor:
+    """`blocked`'s inverse for the first `rows` keys: (..., C/16, D, 16) -> (..., rows, D), a copy."""
+    kept = key_blocks[..., : -(-rows // KEY_BLOCK), :, :].transpose(-1, -2)            # (..., blocks, 16, D)
+    return kept.reshape(*key_blocks.shape[:-3], -1, key_blocks.shape[-2])[..., :rows, :]
+
+
+def attend(query: torch.Tensor, key_blocks: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """query (Hkv, R, D) fp32, R = r * N folded rows; keys_t (Hkv, D, C) fp32, the cached keys transposed
-    (C a multiple of KEY_ALIGN, core/runtime/kv.py TransposedKVLayer); value (Hkv, C', D) fp32; mask
-    (N, Lk) additive fp32 -> (Hkv, R, D): softmax(q k^T * scale + mask) v over the first Lk cache rows."""
-    return torch.ops.aerie_attn.attend(query.contiguous(), keys_t, value, mask, scale)
+    """query (Hkv, R, D) fp32, R = r * N folded rows; key_blocks (Hkv, C/16, D, 16) fp32, the cached
+    keys `blocked` (core/runtime/kv.py BlockedKVLayer); value (Hkv, C, D) fp32; mask (N, Lk) additive
+    fp32 -> (Hkv, R, D): softmax(q k^T * scale + mask) v over the first Lk cache rows."""
+    return torch.ops.aerie_attn.attend(query.contiguous(), key_blocks, value, mask, scale)

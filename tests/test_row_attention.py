@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
-from core.runtime.kv import keep_rows, static_cache
+from core.runtime.kv import keep_rows, key_blocks, static_cache
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.spec.drafters import PlainDrafter
 from core.spec.eagle import EagleDrafter
@@ -24,8 +24,8 @@ def kernel(cache_dir):
 
 
 def attend(q, k, v, mask, scale):
-    """The kernel on keys (H, C, D) as the cache keeps them: transposed, C padded to a multiple of 16."""
-    return attention.attend(q, F.pad(k, (0, 0, 0, -k.shape[1] % 16)).transpose(1, 2).contiguous(), v, mask, scale)
+    """The kernel on keys (H, C, D) as the cache keeps them: in blocks."""
+    return attention.attend(q, attention.blocked(k), v, mask, scale)
 
 
 def case(heads: int, rows: int, n: int, lk: int, dim: int, seed: int):
@@ -80,21 +80,22 @@ def test_a_tree_nodes_row_is_its_token_alone_wherever_its_column_sits():
         assert torch.equal(attend(q, k, v, mask, 0.125), alone), (past, gap)
 
 
-def test_the_transposed_cache_holds_the_keys_a_plain_cache_holds_through_writes_and_commits():
-    """kv.TransposedKVLayer's keys are a StaticLayer's transposed after the same forwards' writes and
-    a tree's commit, and it pads its rows to a multiple of 16."""
-    plain, turned = (static_cache(2, 70, 3, 16, torch.float32, torch.device("cpu"), keys_transposed=t) for t in (False, True))
+def test_the_blocked_cache_holds_the_keys_a_plain_cache_holds_through_writes_and_commits():
+    """kv.BlockedKVLayer's keys are `blocked` of a StaticLayer's after the same forwards' writes and
+    a tree's commit (rows moved down across a block's edge), and `unblocked` gives them back."""
+    plain, blocks = (static_cache(2, 70, 3, 16, torch.float32, torch.device("cpu"), key_blocks=b) for b in (False, True))
     g = torch.Generator().manual_seed(6)
-    for rows in (13, 6, 9):
+    for rows in (13, 6, 9):                                   # writes across the 16-row blocks
         k, v = torch.randn(2, 1, 3, rows, 16, generator=g)
-        for cache in (plain, turned):
+        for cache in (plain, blocks):
             cache.update(k, v, 0)
             cache.update(k + 1, v + 1, 1)
-    for cache in (plain, turned):
+    for cache in (plain, blocks):
         keep_rows(cache, 14, torch.tensor([0, 3, 4, 11]))     # rows 14, 17, 18, 25 -> 14..17
-    for a, b in zip(plain.layers, turned.layers):
-        assert b.keys.shape == (1, 3, 16, 80)
-        assert torch.equal(a.keys.transpose(2, 3), b.keys[..., :70]) and torch.equal(a.values, b.values)
+    for a, b in zip(plain.layers, blocks.layers):
+        assert b.keys.shape == (1, 3, 5 * 16 * 16)
+        assert torch.equal(key_blocks(b.keys, 16), attention.blocked(a.keys)) and torch.equal(a.values, b.values)
+        assert torch.equal(attention.unblocked(key_blocks(b.keys, 16), 18), a.keys[:, :, :18])
         assert int(a.cumulative_length) == int(b.cumulative_length) == 18
 
 
@@ -104,8 +105,8 @@ def test_bad_inputs_are_refused_with_the_reason():
         attend(q, k.double(), v, mask, 1.0)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         attend(q[..., :40], k[..., :40].contiguous(), v[..., :40].contiguous(), mask, 1.0)
-    with pytest.raises(RuntimeError, match="multiple of 16 >= Lk"):
-        attention.attend(q, k.transpose(1, 2).contiguous(), v, mask, 1.0)    # 29 key rows: not padded
+    with pytest.raises(RuntimeError, match=r"C/16, D, 16"):
+        attention.attend(q, attention.blocked(k[:, :16]), v, mask, 1.0)     # 16 key rows for Lk 20
     assert not attention.supports(40) and attention.supports(128) and not attention.supports(256)
 
 

@@ -3,7 +3,7 @@ and the EAGLE head's (core/runtime/head_step.py).
 
 Each layer is a `StaticLayer`: keys/values in one buffer `(1, Hkv, C, Dh)` allocated once, and a
 length counter L kept as a device tensor. A CPU target on the row attention kernel keeps its keys
-transposed, `(1, Hkv, Dh, C)`, as that kernel reads them (`TransposedKVLayer`, models/attention.py). A forward writes its T new rows at [L, L+T) in place and
+in blocks of 16 rows, each transposed, as that kernel reads them (`BlockedKVLayer`, models/attention.py). A forward writes its T new rows at [L, L+T) in place and
 returns the whole buffer; the caller's additive mask decides which rows each query sees, and its
 width Lk <= C how many rows attention reads. Nothing is ever reallocated or copied whole, so a
 compiled graph (a CUDA graph included) can keep the buffers' addresses.
@@ -15,7 +15,7 @@ the accepted rows move to [start, start+a). Only those a rows are copied, whatev
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from models.attention import KEY_ALIGN
+from models.attention import KEY_BLOCK
 
 CPU_KV_BLOCK = 64  # on a CPU attention reads the rows in use rounded up to this many
 
@@ -33,34 +33,50 @@ class KVLayer(StaticLayer):
         self.values[:, :, start: start + len(source)] = self.values.index_select(2, source)
 
 
-class TransposedKVLayer(KVLayer):
-    """Keys (1, Hkv, Dh, C) with C rounded up to KEY_ALIGN: element d of neighbouring keys side by
-    side, as the row attention kernel reads them (models/attention.py); values as a StaticLayer's."""
+class BlockedKVLayer(KVLayer):
+    """Keys in blocks of KEY_BLOCK rows, each transposed (models/attention.py `blocked`), kept flat per
+    head: keys (1, Hkv, C/16 * Dh * 16), element d of row p at (p // 16) * Dh * 16 + d * 16 + p % 16.
+    Flat, a forward's rows go in with one index_copy_, which a compiled graph does in place (written
+    through an indexed 5-D view, inductor copied the whole cache at each forward: 16 ms a token);
+    `key_blocks` is the kernel's view. Values as a StaticLayer's."""
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
-        rows = -(-self.max_cache_len // KEY_ALIGN) * KEY_ALIGN
-        self.keys = torch.zeros((self.batch_size, self.num_heads, self.k_head_dim, rows), dtype=key_states.dtype,
-                                device=self.device)
+        blocks = -(-self.max_cache_len // KEY_BLOCK)
+        self.keys = torch.zeros((self.batch_size, self.num_heads, blocks * self.k_head_dim * KEY_BLOCK),
+                                dtype=key_states.dtype, device=self.device)
         torch._dynamo.mark_static_address(self.keys)
 
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (T,) -> where their keys' elements lie in a head's flat keys (T * Dh,), row by row."""
+        dims = torch.arange(self.k_head_dim, device=positions.device) * KEY_BLOCK
+        return ((positions // KEY_BLOCK * self.k_head_dim * KEY_BLOCK + positions % KEY_BLOCK)[:, None] + dims).reshape(-1)
+
     def update(self, key_states, value_states, *args, **kwargs):
-        positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length   # (T,)
-        self.cumulative_length.add_(key_states.shape[-2])
-        self.keys.index_copy_(3, positions, key_states.transpose(2, 3).to(self.keys.dtype))
+        rows = key_states.shape[-2]
+        positions = torch.arange(rows, device=self.device) + self.cumulative_length   # (T,)
+        self.cumulative_length.add_(rows)
+        flat = key_states.to(self.keys.dtype).reshape(self.batch_size, self.num_heads, rows * self.k_head_dim)
+        self.keys.index_copy_(2, self.slots(positions), flat)
         self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
         return self.keys, self.values
 
     def move_rows(self, source: torch.Tensor, start: int) -> None:
-        self.keys[..., start: start + len(source)] = self.keys.index_select(3, source)
+        target = torch.arange(start, start + len(source), device=source.device)
+        self.keys.index_copy_(2, self.slots(target), self.keys.index_select(2, self.slots(source)))
         self.values[:, :, start: start + len(source)] = self.values.index_select(2, source)
 
 
+def key_blocks(keys: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A BlockedKVLayer's keys (B, Hkv, C/16 * Dh * 16) as blocks (B, Hkv, C/16, Dh, 16): a view."""
+    return keys.view(*keys.shape[:2], -1, head_dim, KEY_BLOCK)
+
+
 def static_cache(layers: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, keys_transposed: bool = False) -> Cache:
+                 device: torch.device, key_blocks: bool = False) -> Cache:
     """`layers` KV layers of `capacity` rows each, allocated now (so their addresses never change);
-    keys_transposed: as the row attention kernel reads them (TransposedKVLayer)."""
-    layer = TransposedKVLayer if keys_transposed else KVLayer
+    key_blocks: the keys as the row attention kernel reads them (BlockedKVLayer)."""
+    layer = BlockedKVLayer if key_blocks else KVLayer
     cache = Cache(layers=[layer(capacity) for _ in range(layers)])
     cache.early_initialization(1, kv_heads, head_dim, dtype, device)
     return cache

@@ -27,7 +27,7 @@ from transformers.masking_utils import sdpa_mask
 
 from core.config import PLANNED_CONTEXT
 from core.runtime.graphs import Graph, GraphJob, compiled_all, graph_name, row_groups, rows_label
-from core.runtime.kv import additive_mask, attended_rows, cache_bytes, keep_rows, set_length, static_cache
+from core.runtime.kv import additive_mask, attended_rows, cache_bytes, keep_rows, key_blocks, set_length, static_cache
 from models import attention
 from models.quants import CPU_QUANTS
 from models.target import Target
@@ -64,16 +64,17 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
 def row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """tree_attention on models/attention.py's kernel for up to MAX_ROWS query tokens (a verify, a
     short prefill chunk): each row alone in one fixed fp32 order over the fp32 cache, so a tree's
-    rows equal one token's bit for bit. key (1, Hkv, D, C): the cache's keys transposed
-    (kv.TransposedKVLayer). Other calls (a 2D mask, more rows) keep fp32 SDPA."""
+    rows equal one token's bit for bit. key (1, Hkv, C/16 * D * 16): the cache's key blocks, flat
+    (kv.BlockedKVLayer). Other calls (a 2D mask, more rows) keep fp32 SDPA."""
+    blocks = key_blocks(key, query.shape[-1])                                             # (1, Hkv, C/16, D, 16)
     if attention_mask is None or attention_mask.dim() != 4 or query.shape[0] != 1 or query.shape[2] > attention.MAX_ROWS:
-        keys = key.transpose(2, 3)[:, :, : value.shape[2]]                                   # (1, Hkv, C, D)
+        keys = attention.unblocked(blocks, value.shape[2])                                 # (1, Hkv, C, D)
         return tree_attention(module, query, keys, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     _, q_heads, n, dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(kv_heads, q_heads // kv_heads * n, dim).float()                 # (Hkv, r*N, D)
     scale = scaling if scaling is not None else dim ** -0.5
-    out = attention.attend(folded, key[0], value[0], attention_mask[0, 0], scale)            # (Hkv, r*N, D)
+    out = attention.attend(folded, blocks[0], value[0], attention_mask[0, 0], scale)            # (Hkv, r*N, D)
     return out.to(query.dtype).reshape(1, q_heads, n, dim).transpose(1, 2).contiguous(), None  # (1, N, Hq, D)
 
 
@@ -138,7 +139,7 @@ class TargetRunner:
         target.model.set_attn_implementation(ROW_ATTENTION if self.row_attention else ATTENTION)
         self.num_layers = text.num_hidden_layers
         self.cache = static_cache(self.num_layers, self.capacity, text.num_key_value_heads, head_dim, kv_dtype, self.device,
-                                  keys_transposed=self.row_attention)
+                                  key_blocks=self.row_attention)
         self.length = 0                  # L, the cache's length counter mirrored on the host
         self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
         self.verified_at = 0             # L before the last verify: where commit moves the kept rows

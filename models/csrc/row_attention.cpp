@@ -3,8 +3,9 @@
 // on AVX-512 and AVX2 machines (each build's arithmetic fixed at compile time).
 //
 // q (H, R, D): H KV heads, R = r * N query rows each (GQA folded: row i reads mask row i % N);
-// kt (H, D, C): the cached keys transposed, so element d of 16 neighbouring keys is one vector;
-// v (H, C, D); the first Lk keys and values are read. mask (N, Lk) additive: a column is seen where
+// kt (H, C/16, D, 16): the cached keys in blocks of 16 rows, each block transposed (kt[h][b][d][l] is
+// element d of key 16b + l), so element d of 16 neighbouring keys is one vector and a block's 4 KB
+// (D 64) lie together; v (H, C, D); the first Lk keys and values are read. mask (N, Lk) additive: a column is seen where
 // its entry is above -1e30 (0), blocked where it is a large negative number (finfo.min, -inf).
 // out (H, R, D) = softmax(q k^T * scale + mask) v.
 //
@@ -15,8 +16,10 @@
 // / sum p. A blocked column gives p_j = 0 exactly and adds nothing to the second sum, so a row's
 // value depends only on the sequence of columns it sees, not on where they sit: the same alone or
 // in a tree of many rows (where a node's own column is L + its index, not L + its depth as when
-// its token comes alone), whatever Lk's padding. (Keys row by row instead cost a horizontal sum
-// per row and column, ~30 cycles: 2-2.5x this kernel's time at Lk 1024-2752 on a 2-core Zen 4.)
+// its token comes alone), whatever Lk's padding. Keys row by row instead cost a horizontal sum per
+// row and column, ~30 cycles; keys wholly transposed, (H, D, C), made one token's call read 64
+// strided streams, slower from memory than rows (30 layers' calls over distinct K/V, 2-core Zen 4,
+// Lk 2752, one token: rows 6.1 ms, transposed 8.6, blocks 4.9; eight tokens 26.6, 16.8, 12.8).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -32,7 +35,7 @@ namespace {
 
 #include "lanes.h"
 
-constexpr int KB = 16;         // columns a step of the scores computes
+constexpr int KB = 16;         // keys per block of kt: the columns a step of the scores computes
 constexpr int V = KB / L;      // vectors of those
 constexpr float SEEN = -1e30f; // a mask entry above this sees its column
 
@@ -106,10 +109,10 @@ inline float sum_seen(const float* p, const float* mask, int64_t dense, int64_t 
 }
 
 // B <= 4 query rows of one head, sharing each key's and value's loads: q[b], out[b] (D,), D = C L;
-// kt (D, cap) with cap >= Lk rounded up to 16, v (Lk, D); mask[b] (Lk,), its first dense[b] columns
+// kt (Lk/16 blocks, D, 16), v (Lk, D); mask[b] (Lk,), its first dense[b] columns
 // all seen; s[b] (Lk rounded up to 16) and packed (Lk + L) scratch. Each row's arithmetic is its own.
 template <int D, int B>
-void rows_of(const float* const* q, const float* kt, int64_t cap, const float* v, const float* const* mask, const int64_t* dense,
+void rows_of(const float* const* q, const float* kt, const float* v, const float* const* mask, const int64_t* dense,
              float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
   constexpr int C = D / L;
   const int64_t blocks = (lk + KB - 1) / KB, padded = blocks * KB;
@@ -120,11 +123,11 @@ void rows_of(const float* const* q, const float* kt, int64_t cap, const float* v
       tail[b][l] = j < lk ? mask[b][j] : 0.0f;
     }
   for (int64_t jb = 0; jb < blocks; jb++) {
-    const float* block = kt + jb * KB;
+    const float* block = kt + jb * D * KB;
     vf acc[B][V] = {};
     for (int d = 0; d < D; d++) {
       vf key[V];
-      for (int u = 0; u < V; u++) key[u] = load(block + d * cap + u * L);
+      for (int u = 0; u < V; u++) key[u] = load(block + d * KB + u * L);
       for (int b = 0; b < B; b++) {
         const vf qd = splat(q[b][d]);
         for (int u = 0; u < V; u++) acc[b][u] = fma(qd, key[u], acc[b][u]);
@@ -164,31 +167,31 @@ void rows_of(const float* const* q, const float* kt, int64_t cap, const float* v
 }
 
 template <int D>
-void rows_for(int B, const float* const* q, const float* kt, int64_t cap, const float* v, const float* const* mask,
+void rows_for(int B, const float* const* q, const float* kt, const float* v, const float* const* mask,
               const int64_t* dense, float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
   switch (B) {
-    case 1: return rows_of<D, 1>(q, kt, cap, v, mask, dense, out, s, packed, lk, scale);
-    case 2: return rows_of<D, 2>(q, kt, cap, v, mask, dense, out, s, packed, lk, scale);
-    case 3: return rows_of<D, 3>(q, kt, cap, v, mask, dense, out, s, packed, lk, scale);
-    default: return rows_of<D, 4>(q, kt, cap, v, mask, dense, out, s, packed, lk, scale);
+    case 1: return rows_of<D, 1>(q, kt, v, mask, dense, out, s, packed, lk, scale);
+    case 2: return rows_of<D, 2>(q, kt, v, mask, dense, out, s, packed, lk, scale);
+    case 3: return rows_of<D, 3>(q, kt, v, mask, dense, out, s, packed, lk, scale);
+    default: return rows_of<D, 4>(q, kt, v, mask, dense, out, s, packed, lk, scale);
   }
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v, const at::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 3 && kt.dim() == 3 && v.dim() == 3 && mask.dim() == 2,
-              "q (H, rows, D), kt (H, D, C), v (H, C, D), mask (N, Lk)");
+  TORCH_CHECK(q.dim() == 3 && kt.dim() == 4 && v.dim() == 3 && mask.dim() == 2,
+              "q (H, rows, D), kt (H, C/16, D, 16), v (H, C, D), mask (N, Lk)");
   for (const at::Tensor* t : {&q, &kt, &v, &mask})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "q, kt, v and mask must be contiguous fp32");
   const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), n = mask.size(0), lk = mask.size(1);
   TORCH_CHECK(d % 16 == 0 && d >= 16 && d <= 128, "the head size must be a multiple of 16 up to 128");
-  const int64_t cap = kt.size(2), width = (lk + KB - 1) / KB * KB;
-  TORCH_CHECK(kt.size(0) == heads && kt.size(1) == d && v.size(0) == heads && v.size(2) == d && cap >= width
-              && cap % KB == 0 && v.size(1) >= lk, "kt must be (H, D, C) and v (H, C, D), C a multiple of 16 >= Lk");
+  const int64_t width = (lk + KB - 1) / KB * KB;
+  TORCH_CHECK(kt.size(0) == heads && kt.size(2) == d && kt.size(3) == KB && v.size(0) == heads && v.size(2) == d
+              && kt.size(1) * KB >= lk && v.size(1) >= lk, "kt must be (H, C/16, D, 16) and v (H, C, D), C >= Lk");
   TORCH_CHECK(rows % n == 0, "the rows must be whole groups of the mask's N");
   at::Tensor out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *vp = v.data_ptr<float>(), *mp = mask.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t key_stride = cap * d, value_stride = v.size(1) * d;
+  const int64_t key_stride = kt.size(1) * d * KB, value_stride = v.size(1) * d;
   std::vector<int64_t> dense(n);   // each mask row's first blocked column (all before it are seen)
   for (int64_t i = 0; i < n; i++) {
     const float* m = mp + i * lk;
@@ -228,14 +231,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v
       }
       const float *kh = kp + h * key_stride, *vh = vp + h * value_stride;
       switch (d / 16) {
-        case 1: rows_for<16>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 2: rows_for<32>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 3: rows_for<48>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 4: rows_for<64>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 5: rows_for<80>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 6: rows_for<96>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 7: rows_for<112>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        default: rows_for<128>(B, qs, kh, cap, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 1: rows_for<16>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 2: rows_for<32>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 3: rows_for<48>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 4: rows_for<64>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 5: rows_for<80>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 6: rows_for<96>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        case 7: rows_for<112>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
+        default: rows_for<128>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
       }
     }
   });
