@@ -200,15 +200,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v
     dense[i] = j;
   }
   // A task is up to 4 rows of one head, and a thread takes at least ~1024 columns of work, so one
-  // token's few rows do not pay for starting a thread.
-  // Up to 4 rows a task. Where a head's K and V fit a core's cache (Lk <= 512: 256 KB at D 64),
-  // fewer, so that every thread gets two tasks (one token's 3 rows a head over 3 heads: 3 tasks on
-  // 2 threads left one idle a third of the time); past that each task of a head streams its K and
-  // V from memory again. 30 layers' calls over distinct K/V, 2-core Zen 4: one token at Lk 192
-  // 0.54 -> 0.38 ms split, at Lk 2752 9.1 -> 10.4 ms.
-  const int64_t threads = at::get_num_threads();
-  const int64_t want = lk <= 512 ? std::max<int64_t>(1, (2 * threads + heads - 1) / heads) : 1;
-  const int64_t size = std::clamp<int64_t>((rows + want - 1) / want, 1, 4);
+  // token's few rows do not pay for starting a thread. (Smaller tasks, so that each thread gets
+  // two, measured no faster with the keys in blocks and slower at long contexts: 30 layers' calls
+  // over distinct K/V, one token at Lk 2752, 4.7 ms against 5.5.)
+  const int64_t size = 4;
   const int64_t groups = (rows + size - 1) / size;
   const int64_t grain = std::max<int64_t>(1, 1024 / std::max<int64_t>(lk, 1));
   at::parallel_for(0, heads * groups, grain, [&](int64_t lo, int64_t hi) {
