@@ -83,7 +83,7 @@ def test_a_tree_nodes_row_is_its_token_alone_wherever_its_column_sits():
 def test_the_blocked_cache_holds_the_keys_a_plain_cache_holds_through_writes_and_commits():
     """kv.BlockedKVLayer's keys are `blocked` of a StaticLayer's after the same forwards' writes and
     a tree's commit (rows moved down across a block's edge), and `unblocked` gives them back."""
-    plain, blocks = (static_cache(2, 70, 3, 16, torch.float32, torch.device("cpu"), key_blocks=b) for b in (False, True))
+    plain, blocks = (static_cache(2, 70, 3, 16, torch.float32, torch.device("cpu"), blocked_keys=b) for b in (False, True))
     g = torch.Generator().manual_seed(6)
     for rows in (13, 6, 9):                                   # writes across the 16-row blocks
         k, v = torch.randn(2, 1, 3, rows, 16, generator=g)

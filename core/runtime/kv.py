@@ -2,10 +2,10 @@
 and the EAGLE head's (core/runtime/head_step.py).
 
 Each layer is a `StaticLayer`: keys/values in one buffer `(1, Hkv, C, Dh)` allocated once, and a
-length counter L kept as a device tensor. A CPU target on the row attention kernel keeps its keys
-in blocks of 16 rows, each transposed, as that kernel reads them (`BlockedKVLayer`, models/attention.py). A forward writes its T new rows at [L, L+T) in place and
-returns the whole buffer; the caller's additive mask decides which rows each query sees, and its
-width Lk <= C how many rows attention reads. Nothing is ever reallocated or copied whole, so a
+length counter L kept as a device tensor (a CPU target on the row attention kernel keeps its keys
+in blocks of 16 rows, each transposed, as that kernel reads them: `BlockedKVLayer`, models/attention.py).
+A forward writes its T new rows at [L, L+T) in place and returns the whole buffer; the caller's
+additive mask decides which rows each query sees, and its width Lk <= C how many rows attention reads. Nothing is ever reallocated or copied whole, so a
 compiled graph (a CUDA graph included) can keep the buffers' addresses.
 
 `keep_rows` is the speculative commit: after a verify wrote a tree of N rows at [start, start+N),
@@ -73,10 +73,10 @@ def key_blocks(keys: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def static_cache(layers: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, key_blocks: bool = False) -> Cache:
+                 device: torch.device, blocked_keys: bool = False) -> Cache:
     """`layers` KV layers of `capacity` rows each, allocated now (so their addresses never change);
-    key_blocks: the keys as the row attention kernel reads them (BlockedKVLayer)."""
-    layer = BlockedKVLayer if key_blocks else KVLayer
+    blocked_keys: the keys as the row attention kernel reads them (BlockedKVLayer)."""
+    layer = BlockedKVLayer if blocked_keys else KVLayer
     cache = Cache(layers=[layer(capacity) for _ in range(layers)])
     cache.early_initialization(1, kv_heads, head_dim, dtype, device)
     return cache

@@ -139,7 +139,7 @@ class TargetRunner:
         target.model.set_attn_implementation(ROW_ATTENTION if self.row_attention else ATTENTION)
         self.num_layers = text.num_hidden_layers
         self.cache = static_cache(self.num_layers, self.capacity, text.num_key_value_heads, head_dim, kv_dtype, self.device,
-                                  key_blocks=self.row_attention)
+                                  blocked_keys=self.row_attention)
         self.length = 0                  # L, the cache's length counter mirrored on the host
         self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
         self.verified_at = 0             # L before the last verify: where commit moves the kept rows
