@@ -3,10 +3,11 @@ and the EAGLE head's (core/runtime/head_step.py).
 
 Each layer is a `StaticLayer`: keys/values in one buffer `(1, Hkv, C, Dh)` allocated once, and a
 length counter L kept as a device tensor (a CPU target on the row attention kernel keeps its keys
-in blocks of 16 rows, each transposed, as that kernel reads them: `BlockedKVLayer`, models/attention.py).
-A forward writes its T new rows at [L, L+T) in place and returns the whole buffer; the caller's
-additive mask decides which rows each query sees, and its width Lk <= C how many rows attention reads. Nothing is ever reallocated or copied whole, so a
-compiled graph (a CUDA graph included) can keep the buffers' addresses.
+in blocks of 16 rows, each transposed, as that kernel reads them: `BlockedKVLayer`,
+models/attention.py). A forward writes its T new rows at [L, L+T) in place and returns the whole
+buffer; the caller's additive mask decides which rows each query sees, and its width Lk <= C how
+many rows attention reads. Nothing is ever reallocated or copied whole, so a compiled graph (a CUDA
+graph included) can keep the buffers' addresses.
 
 `keep_rows` is the speculative commit: after a verify wrote a tree of N rows at [start, start+N),
 the accepted rows move to [start, start+a). Only those a rows are copied, whatever the chat length.
