@@ -3,11 +3,11 @@
 // on AVX-512 and AVX2 machines (each build's arithmetic fixed at compile time).
 //
 // q (H, R, D): H KV heads, R = r * N query rows each (GQA folded: row i reads mask row i % N);
-// kt (H, C/16, D, 16): the cached keys in blocks of 16 rows, each block transposed (kt[h][b][d][l] is
-// element d of key 16b + l), so element d of 16 neighbouring keys is one vector and a block's 4 KB
-// (D 64) lie together; v (H, C, D); the first Lk keys and values are read. mask (N, Lk) additive: a column is seen where
-// its entry is above -1e30 (0), blocked where it is a large negative number (finfo.min, -inf).
-// out (H, R, D) = softmax(q k^T * scale + mask) v.
+// kt (H, C/16, D, 16): the cached keys in blocks of 16 rows, each block transposed (kt[h][b][d][l]
+// is element d of key 16b + l), so element d of 16 neighbouring keys is one vector and a block's
+// 4 KB (D 64) lie together; v (H, C, D); the first Lk keys and values are read. mask (N, Lk)
+// additive: a column is seen where its entry is above -1e30 (0), blocked where it is a large
+// negative number (finfo.min, -inf). out (H, R, D) = softmax(q k^T * scale + mask) v.
 //
 // Per row: s_j = q_0 k_j0 + q_1 k_j1 + ... in order of d (each step one fused multiply-add where
 // the CPU has FMA), 16 columns at once, then * scale + mask_j; m = max s; p_j = exp(s_j - m);
