@@ -68,7 +68,9 @@ def row_attention(module, query, key, value, attention_mask, scaling=None, dropo
     (kv.BlockedKVLayer). Other calls (a 2D mask, more rows) keep fp32 SDPA."""
     blocks = key_blocks(key, query.shape[-1])                                             # (1, Hkv, C/16, D, 16)
     if attention_mask is None or attention_mask.dim() != 4 or query.shape[0] != 1 or query.shape[2] > attention.MAX_ROWS:
-        keys = attention.unblocked(blocks, value.shape[2])                                 # (1, Hkv, C, D)
+        # only the rows attention reads: a 4D mask's Lk (tree_attention), else the whole cache
+        rows = attention_mask.shape[-1] if attention_mask is not None and attention_mask.dim() == 4 else value.shape[2]
+        keys = attention.unblocked(blocks, rows)                                             # (1, Hkv, rows, D)
         return tree_attention(module, query, keys, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     _, q_heads, n, dim = query.shape
     kv_heads = key.shape[1]
