@@ -61,6 +61,11 @@ class Drafter(Protocol):
         """Bytes the drafter holds beyond the storages in `borrowed` (the target's), for the monitor."""
         ...
 
+    def prime(self, context: list[int], fresh: Verified) -> Verified:
+        """Right after the prefill (`context` ends with its token): take in the prompt, as far as that
+        is prefill work; -> what the first draft is still to read of `fresh`."""
+        ...
+
     def draft(self, context: list[int], fresh: Verified) -> Draft:
         """`fresh` holds the target's outputs for the last T committed positions before the root
         (the prefill's new tokens, or the root and accepted path of the last round)."""
@@ -127,9 +132,11 @@ class Engine:
         verified = self.prefill(prompt)
         first = self.choose(verified.logits[-1], sampling, rng)
         context, produced = prompt + [first], 1
-        yield StepResult(new_ids=(first,), accepted=0, drafted=0, tree_size=len(prompt), draft_s=0.0,
-                         verify_s=time.perf_counter() - t0, commit_s=0.0,
-                         finish=self.finish(first, produced, len(context), sampling),
+        finish, t1 = self.finish(first, produced, len(context), sampling), time.perf_counter()
+        if finish is None:   # the drafter's share of the prompt's work: the prefill's step, not the first round's
+            verified = self.drafter.prime(context, verified)
+        yield StepResult(new_ids=(first,), accepted=0, drafted=0, tree_size=len(prompt),
+                         draft_s=time.perf_counter() - t1, verify_s=t1 - t0, commit_s=0.0, finish=finish,
                          near_ties=self.near_ties(top2_margins(verified.logits[-1:]), sampling))
         rounds = 0
         while self.finish(context[-1], produced, len(context), sampling) is None:

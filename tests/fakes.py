@@ -120,6 +120,9 @@ class OracleDrafter:
     def memory_bytes(self, borrowed: set[int]) -> int:
         return 0
 
+    def prime(self, context: list[int], fresh):
+        return fresh
+
     def draft(self, context, fresh):
         branches = []
         for _ in range(self.rng.randint(0, 4)):

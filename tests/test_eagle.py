@@ -45,6 +45,31 @@ def test_multi_turn_prefix_reuse_keeps_the_head_in_step():
         turn = turn + answer + [1, 2]
 
 
+def test_the_prefill_step_primes_the_head_on_the_prompt():
+    """The head takes in the prompt's pairs in the prefill's step, all but the last, which the
+    first draft feeds (one row, not the prompt's 40); that draft is the one an unprimed head
+    makes over the whole prompt at once, and the answer stays plain decoding's."""
+    model = tiny_llama(seed=5, layers=4)
+    head = random_head(model, "eagle1", 4)
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    drafter = EagleDrafter(head, 4, TreeConfig(2, 3, 8))
+    engine = Engine(tiny_target(model), drafter)
+    steps = engine.generate(prompt, SamplingConfig(max_new_tokens=20))
+    first = next(steps)
+    assert drafter.head_len == len(prompt) - 1 and first.draft_s > 0
+    fed = []
+    feed = drafter.step.feed
+    drafter.step.feed = lambda features, *rest, **kw: fed.append(features.shape[0]) or feed(features, *rest, **kw)
+    second = next(steps)
+    assert fed[0] == 1
+    unprimed = EagleDrafter(head, 4, TreeConfig(2, 3, 8))
+    other = Engine(tiny_target(model), unprimed)
+    tree = unprimed.draft(prompt + [first.new_ids[0]], other.prefill(prompt)).tree
+    assert second.tree_size == tree.size and second.drafted == tree.max_depth
+    answer = [t for s in [first, second, *steps] for t in s.new_ids]
+    assert answer == run(Engine(tiny_target(model)), prompt, SamplingConfig(max_new_tokens=20))
+
+
 def test_reference_rounds_run_plainly_and_keep_the_head_in_step():
     """Every 4th answer's rounds 2 and 3 run plainly (the meter's reference): the text stays plain
     decoding's, and the head catches up on what it did not draft, within and across turns."""

@@ -26,6 +26,9 @@ class PlainDrafter:
     def memory_bytes(self, borrowed: set[int]) -> int:
         return 0
 
+    def prime(self, context: list[int], fresh):
+        return fresh
+
     def draft(self, context: list[int], fresh) -> Draft:
         return Draft(root_only(context[-1]))
 
@@ -63,6 +66,10 @@ class PromptLookupDrafter:
 
     def memory_bytes(self, borrowed: set[int]) -> int:
         return 0  # its index lives in Python objects, a few bytes per token of the chat
+
+    def prime(self, context: list[int], fresh):
+        self._extend(context)   # index the prompt now: O(prompt), prefill work
+        return fresh
 
     def _extend(self, context: list[int]) -> None:
         """Index every n-gram that ends just before a position we have not indexed yet; within one

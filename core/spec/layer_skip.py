@@ -56,6 +56,9 @@ class LayerSkipDrafter:
     def memory_bytes(self, borrowed: set[int]) -> int:
         return 0  # the target's own weights and cache
 
+    def prime(self, context: list[int], fresh):
+        return fresh
+
     def draft(self, context: list[int], fresh) -> Draft:
         runner, tokens = self.runner, [context[-1]]
         for t in range(self.cfg.depth):

@@ -122,6 +122,9 @@ class LookaheadDrafter:
     def memory_bytes(self, borrowed: set[int]) -> int:
         return 0  # the pool is Python tuples: G (N-1)-token n-grams per distinct token, kilobytes
 
+    def prime(self, context: list[int], fresh):
+        return fresh
+
     def draft(self, context: list[int], fresh) -> Draft:
         if self.window is None or fresh.side_next is None or self.last is None:
             self.window = initial_window(context, self.cfg)

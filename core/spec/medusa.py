@@ -72,6 +72,9 @@ class MedusaDrafter:
         return tensor_bytes([t for t in tensors if storage(t)[0] not in borrowed])
 
     @torch.inference_mode()
+    def prime(self, context: list[int], fresh):
+        return fresh
+
     def draft(self, context: list[int], fresh) -> Draft:
         feature = fresh.features[-1:, self.columns].to(self.dtype)                  # (1, H)
         out = self.heads(feature, self.levels)[:, 0]                                # (D, Vd), or (D, H) shared

@@ -62,7 +62,7 @@ class Meter:
     reference_ms: list[float] = field(default_factory=list)   # each timed reference round (one token)
     drafted_ms: list[float] = field(default_factory=list)     # each drafted round's, ascending (`burst_share`)
     after_reference: bool = False
-    uncaught: int | None = None   # tokens committed since the head's last step: its next catch-up's rows
+    uncaught: int = 1   # rows the head's next catch-up feeds: after the prefill (which primed it), its last
 
     def add(self, step) -> None:
         self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
@@ -78,12 +78,9 @@ class Meter:
         if self.tree is None:
             return
         if step.reference or step.copied:   # no head step: the next one catches up on these rows too
-            self.uncaught = (self.uncaught or 0) + len(step.new_ids)
+            self.uncaught += len(step.new_ids)
             return
-        # The catch-up fed what was committed since the head's last step (the first round's, the
-        # prompt's, is taken as about this round's count).
-        caught_up = self.uncaught if self.uncaught is not None else len(step.new_ids)
-        self.uncaught = len(step.new_ids)
+        caught_up, self.uncaught = self.uncaught, len(step.new_ids)
         self.drafts += 1
         self.draft_s += step.draft_s
         self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, caught_up) / 1000
