@@ -112,6 +112,20 @@ def test_profile_interpolates_and_extrapolates():
     assert monotone([5.0, 9.0, 7.0, 8.0]) == (5.0, 7.0, 7.0, 8.0)           # a noisy spike is removed
 
 
+def test_head_steps_grow_with_context_and_shape_the_tree():
+    """The head attends over the whole chat too: a draft at a long context costs its head steps'
+    slope more, and where that makes every expansion dear the tuner drafts fewer levels."""
+    flat = profile(lambda n: 10.0 + 0.5 * n, head_ms=(1.0,) * 6, slope=0.002)
+    sloped = replace(flat, head_slope_ms=(0.002,) * 6)                       # +2 ms per head step per 1000 tokens
+    assert sloped.draft(2, 4, 1, 32) == pytest.approx(flat.draft(2, 4, 1, 32))
+    assert sloped.draft(2, 4, 1, 1032) == pytest.approx(flat.draft(2, 4, 1, 1032) + 3 * 2.0)   # catch-up + 2 levels
+    q = prior_table([0.8, 0.7, 0.6, 0.5])
+    short = best_shape(q, sloped, 32, 64, Pins(), chain=False).tree
+    long_ = best_shape(q, sloped, 4032, 64, Pins(), chain=False).tree
+    assert long_.depth < short.depth
+    assert best_shape(q, flat, 4032, 64, Pins(), chain=False).tree.depth == short.depth   # without it, no change
+
+
 def test_profile_round_trips_through_json():
     assert LatencyProfile.from_json(CPU.to_json()) == CPU
 
@@ -522,7 +536,7 @@ def test_a_copy_round_is_not_a_draft_of_the_tree():
     turn = meter.turn()
     assert turn.drafts == 2 and turn.draft_s == pytest.approx(0.002) and turn.tokens == 7
     # the first draft feeds the prefill's last pair (the prefill's step primed the head on the rest)
-    assert meter.draft_profiled_s == pytest.approx((CPU.draft(0, 1, 1) + CPU.draft(0, 1, 2 + 3)) / 1000)
+    assert meter.draft_profiled_s == pytest.approx((CPU.draft(0, 1, 1, 102) + CPU.draft(0, 1, 2 + 3, 107)) / 1000)
 
 
 def test_meter_times_drafts_against_the_profile():
@@ -535,7 +549,7 @@ def test_meter_times_drafts_against_the_profile():
     turn = eagle.turn()
     load = 2 * 0.021 / (2 * GPU.round(10, 100) / 1000)  # measured verify + commit against the profile's
     assert turn.drafts == 2 and turn.draft_s == pytest.approx(0.1)
-    assert turn.draft_profiled_s == pytest.approx(2 * GPU.draft(2, 4, 3) / 1000 * load)
+    assert turn.draft_profiled_s == pytest.approx(2 * GPU.draft(2, 4, 3, 100) / 1000 * load)
     assert plain.turn().drafts == 0 and plain.turn().draft_profiled_s == 0
     busy = Meter(GPU, "eagle", 100, tree=tree)  # everything twice as slow: drafts no worse than profiled
     for _ in range(2):
@@ -549,7 +563,7 @@ def test_drafts_slower_than_profiled_make_the_tuner_draft_less():
     t = tuner(prof=GPU, alphas=(0.8, 0.75, 0.7))
     before = t.plan(100)
     tree = before.tree
-    per_draft = GPU.draft(tree.depth, tree.top_k, 3) / 1000
+    per_draft = GPU.draft(tree.depth, tree.top_k, 3, 100) / 1000
 
     def drafted(n):  # a turn whose n drafts each took 20x the profile's time, at 1.28x plain overall
         t.end_turn(Turn("eagle", 64, 1.0, 20.0, drafts=n, draft_s=20 * n * per_draft, draft_profiled_s=n * per_draft))
@@ -559,7 +573,7 @@ def test_drafts_slower_than_profiled_make_the_tuner_draft_less():
     drafted(1)
     after = t.plan(100)
     assert after.tree != tree and "drafts measured 20.0x the profile's time" in after.reason
-    assert after.rung != "tree" or GPU.draft(after.tree.depth, after.tree.top_k, 2) < GPU.draft(tree.depth, tree.top_k, 2)
+    assert after.rung != "tree" or GPU.draft(after.tree.depth, after.tree.top_k, 2, 100) < GPU.draft(tree.depth, tree.top_k, 2, 100)
     assert after.rung != "tree" or after.predicted < before.predicted
 
 

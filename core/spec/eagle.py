@@ -250,15 +250,18 @@ class EagleDrafter:
         positions = torch.full((ancestors.shape[0],), self.head_len + level, device=tokens.device)
         return self.step.feed(parent_out, tokens, positions, ancestors, self.head_len)
 
-    def frontier_step(self, features: torch.Tensor, next_tokens: list[int], width: int):
-        """After catching up on the pairs (features (K, F), next_tokens (K,)): a repeatable head
-        step of `width` frontier nodes and its top-k, as a round's first expansion runs it (each call
-        writes the same rows). What the latency profile times."""
+    def frontier_steps(self, features: torch.Tensor, next_tokens: list[int], widths: tuple[int, ...]) -> list:
+        """After catching up on the pairs (features (K, F), next_tokens (K,)): for each width a
+        repeatable head step of that many frontier nodes and its top-k, as a round's first
+        expansion runs it (each call writes the same rows). What the latency profile times."""
         out, _ = self.catch_up(features, next_tokens)
-        tokens = torch.tensor(next_tokens[:width], device=out.device)
-        parent_out = out[None].expand(width, -1)
-        ancestors = torch.eye(width, dtype=torch.bool, device=out.device)
-        return lambda: self.feed_frontier(tokens, parent_out, ancestors, 0)[1].topk(width, dim=-1)
+
+        def step(width: int):
+            tokens = torch.tensor(next_tokens[:width], device=out.device)
+            parent_out = out[None].expand(width, -1)
+            ancestors = torch.eye(width, dtype=torch.bool, device=out.device)
+            return lambda: self.feed_frontier(tokens, parent_out, ancestors, 0)[1].topk(width, dim=-1)
+        return [step(w) for w in widths]
 
     @property
     def compiled_sizes(self) -> tuple[int, ...]:

@@ -6,7 +6,9 @@ At start-up the engine times, on its real device and kernels:
     with context, so round(size, context) = short(size) + context x slope(size), both interpolated
     piecewise-linearly in size (beyond the last size, along the last segment);
   - with a head, one head step at each frontier width in `WIDTHS` (its forward plus scoring the
-    draft vocabulary and taking the top-k), and the rerank that turns the pool into a tree.
+    draft vocabulary and taking the top-k), at the short context and the long one: the head
+    attends over the whole chat too (at 2,400 tokens a one-token draft cost 1.9x its short-context
+    time, and the tuner planned it as cheap); and the rerank that turns the pool into a tree.
 Plain decoding's time per token at context c is the round of size 1 at c: the speedup gauge
 divides by it. A profile is cached as JSON per (model, quantization, device, kernels, head).
 """
@@ -33,7 +35,7 @@ SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attent
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512
 REPEATS = 5
 WARM, WARM_FIRST = 2, 12
-VERSION = 17   # 17: a CPU's graphs run from a C++ wrapper (core/runtime/graphs.py CPP_WRAPPER), ~1 ms less a verify
+VERSION = 18   # 18: head steps' context slope; 17: a CPU's graphs run from a C++ wrapper (core/runtime/graphs.py CPP_WRAPPER), ~1 ms less a verify
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class LatencyProfile:
     buckets: tuple[int, ...] = ()             # the runner's verify buckets: a tree costs its bucket's round
     draft_fixed_ms: float = 0.0               # a draft's cost beyond its head steps and rerank, per round
     draft_level_ms: float = 0.0               # ... and per expansion level
+    head_slope_ms: tuple[float, ...] = ()     # [width]: a head step's extra ms per cached token of context
 
 
     def round(self, size: float, context: float) -> float:
@@ -76,14 +79,20 @@ class LatencyProfile:
         """Plain decoding's time per token at `context`: a round of the root alone."""
         return self.round(1, context)
 
-    def head(self, width: float) -> float:
-        return interpolate(self.widths, self.head_ms, width) if self.head_ms else 0.0
+    def head(self, width: float, context: float) -> float:
+        """ms of a head step of `width` rows after `context` cached tokens (linear in context, as a round)."""
+        if not self.head_ms:
+            return 0.0
+        slope = interpolate(self.widths, self.head_slope_ms, width) if self.head_slope_ms else 0.0
+        extra = max(context - self.contexts[0], 0) * slope
+        return interpolate(self.widths, self.head_ms, width) + extra
 
-    def draft(self, depth: int, top_k: int, caught_up: float) -> float:
-        """ms of an EAGLE draft: the catch-up over the `caught_up` tokens the last round committed,
-        `depth` expansion steps at width top_k, the rerank and the drafter's own bookkeeping."""
-        return (self.head(caught_up) + depth * self.head(top_k) + self.rerank_ms + self.draft_fixed_ms
-                + depth * self.draft_level_ms)
+    def draft(self, depth: int, top_k: int, caught_up: float, context: float) -> float:
+        """ms of an EAGLE draft after `context` tokens: the catch-up over the `caught_up` tokens the
+        last round committed, `depth` expansion steps at width top_k, the rerank and the drafter's
+        own bookkeeping."""
+        return (self.head(caught_up, context) + depth * self.head(top_k, context) + self.rerank_ms
+                + self.draft_fixed_ms + depth * self.draft_level_ms)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -185,20 +194,22 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
     long_ms = rounds(engine, ids, long_, slope_sizes)
     slopes = tuple(max(0.0, (ms - short_ms[sizes.index(n)]) / (long_ - SHORT_CONTEXT))
                    for n, ms in zip(slope_sizes, long_ms))
-    drafter, widths, head_ms, rerank_ms, fixed, level = engine.drafter, (), (), 0.0, 0.0, 0.0
+    drafter, widths, head_ms, head_slopes, rerank_ms, fixed, level = engine.drafter, (), (), (), 0.0, 0.0, 0.0
     if isinstance(drafter, EagleDrafter):  # a head to time: its steps, whole drafts
         widths = WIDTHS
-        head_ms = tuple(time_head_step(drafter, engine, ids[:SHORT_CONTEXT], w) for w in widths)
+        head_ms = time_head_steps(drafter, engine, ids[:SHORT_CONTEXT], widths)
+        head_long = time_head_steps(drafter, engine, ids[:long_], widths)
+        head_slopes = tuple(max(0.0, (b - a) / (long_ - SHORT_CONTEXT)) for a, b in zip(head_ms, head_long))
         rerank_ms = time_rerank()
         # What a whole draft costs beyond its head steps and rerank: the drafter's own bookkeeping.
         flat = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(0, 1, 2, copy=0))   # head steps, never a copy
         deep = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(2, 2, 4, copy=0))
         fixed = max(0.0, flat - head_ms[0] - rerank_ms)
-        level = max(0.0, (deep - flat - 2 * interpolate(widths, head_ms, 2)) / 2)
+        level = max(0.0, (deep - flat - 2 * interpolate(widths, head_ms, 2)) / 2)   # at the short context: no slope
     engine.reset()
     return LatencyProfile(tuple(sizes), short_ms, (SHORT_CONTEXT, long_), slope_sizes, slopes, widths, head_ms,
                           rerank_ms, time.perf_counter() - t0, engine.runner.buckets,  # eager or not, verifies pad to them
-                          fixed, level)
+                          fixed, level, head_slopes)
 
 
 def arbitrary_ids(engine, n: int) -> list[int]:
@@ -231,7 +242,7 @@ def rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) -> list
     engine.reset()
     drafted = engine.prefill(ids[:context])
     # Without an EAGLE head (prompt lookup drafts in microseconds) trees follow each other back to back.
-    head_step = (engine.drafter.frontier_step(drafted.features[:-1], ids[1:context], 1)
+    head_step = (engine.drafter.frontier_steps(drafted.features[:-1], ids[1:context], (1,))[0]
                  if isinstance(engine.drafter, EagleDrafter) else lambda: None)
     greedy, rng = SamplingConfig(), torch.Generator(device=engine.device)
 
@@ -256,11 +267,12 @@ def rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) -> list
     return [statistics.median(passes[n]) for n in sizes]
 
 
-def time_head_step(drafter, engine, ids: list[int], width: int) -> float:
-    """ms of one head step at frontier `width`: forward, draft scores and their top-k."""
+def time_head_steps(drafter, engine, ids: list[int], widths: tuple[int, ...]) -> tuple[float, ...]:
+    """ms of one head step at each frontier width after `ids`: forward, draft scores and their top-k."""
     engine.reset()
     features = engine.prefill(ids).features  # the drafter asked for them: (context, F)
-    return timed(engine.device, drafter.frontier_step(features[:-1], ids[1:], width))  # pairs (f_t, x_{t+1})
+    steps = drafter.frontier_steps(features[:-1], ids[1:], widths)  # pairs (f_t, x_{t+1})
+    return tuple(timed(engine.device, step) for step in steps)
 
 
 def time_draft(drafter, engine, ids: list[int], tree: TreeConfig) -> float:

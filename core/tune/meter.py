@@ -83,7 +83,8 @@ class Meter:
         caught_up, self.uncaught = self.uncaught, len(step.new_ids)
         self.drafts += 1
         self.draft_s += step.draft_s
-        self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, caught_up) / 1000
+        self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, caught_up,
+                                                    self.prompt_len + self.tokens) / 1000
 
     @property
     def load(self) -> float:

@@ -97,7 +97,8 @@ class TreeRival:
     rerank_ms: float = 0.0
     chain: bool = False
 
-    def draft_ms(self, depth: int, top_k: int, caught_up: float) -> float:
+    def draft_ms(self, depth: int, top_k: int, caught_up: float, context: float) -> float:
+        # Medusa's heads read the last feature alone, prompt lookup the token ids: no context slope.
         return self.fixed_ms + self.level_ms * (depth + 1) + (self.rerank_ms if top_k > 1 else 0.0)
 
 
@@ -131,7 +132,7 @@ def best_shape(q: torch.Tensor, profile: LatencyProfile, context: float, max_siz
                 tokens = 1 + gained[min(n - 1, len(gained) - 1)]
                 if tokens <= to_beat * verify_ms(n):
                     continue  # drafts cost time too: this size cannot beat the best, so its draft is not costed
-                ms = verify_ms(n) + draft_scale * draft(depth, k, tokens)
+                ms = verify_ms(n) + draft_scale * draft(depth, k, tokens, context)
                 if tokens / ms > to_beat:
                     best = Shape(TreeConfig(depth=depth, top_k=k, total_tokens=n), tokens, ms)
                     to_beat = tokens / ms * (1 + TIE)
