@@ -24,15 +24,17 @@ def kernel(cache_dir):
 
 
 def attend(q, k, v, mask, scale):
-    """The kernel on keys (H, C, D) as the cache keeps them: in blocks."""
-    return attention.attend(q, attention.blocked(k), v, mask, scale)
+    """The kernel on keys (H, C, D) and values as the cache keeps them: keys in blocks, values in bf16."""
+    return attention.attend(q, attention.blocked(k), v.bfloat16(), mask, scale)
 
 
 def case(heads: int, rows: int, n: int, lk: int, dim: int, seed: int):
-    """q (H, rows, D); k, v (H, lk + 9, D) with the 9 rows past Lk garbage; mask (n, lk): each row
-    sees the first lk - n columns and, among the last n, itself and a random subset."""
+    """q (H, rows, D); k, v (H, lk + 9, D), v of bf16 values (as a 4-bit kernel's), with the 9 rows
+    past Lk garbage; mask (n, lk): each row sees the first lk - n columns and, among the last n,
+    itself and a random subset."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(heads, size, dim, generator=g) for size in (rows, lk + 9, lk + 9))
+    v = v.bfloat16().float()
     k[:, lk:], v[:, lk:] = 1e30, 1e30   # garbage past Lk: never read, or read and ignored
     visible = (torch.rand(n, n, generator=g) < 0.5) | torch.eye(n, dtype=torch.bool)
     mask = torch.zeros(n, lk)
@@ -87,14 +89,16 @@ def test_the_blocked_cache_holds_the_keys_a_plain_cache_holds_through_writes_and
     g = torch.Generator().manual_seed(6)
     for rows in (13, 6, 9):                                   # writes across the 16-row blocks
         k, v = torch.randn(2, 1, 3, rows, 16, generator=g)
+        v = v.bfloat16().float()                              # a 4-bit kernel's outputs
         for cache in (plain, blocks):
             cache.update(k, v, 0)
-            cache.update(k + 1, v + 1, 1)
+            cache.update(k + 1, v * 2, 1)                     # v * 2: still bf16 values
     for cache in (plain, blocks):
         keep_rows(cache, 14, torch.tensor([0, 3, 4, 11]))     # rows 14, 17, 18, 25 -> 14..17
     for a, b in zip(plain.layers, blocks.layers):
         assert b.keys.shape == (1, 3, 5 * 16 * 16)
-        assert torch.equal(key_blocks(b.keys, 16), attention.blocked(a.keys)) and torch.equal(a.values, b.values)
+        assert b.values.dtype == torch.bfloat16 and b.values.shape == a.values.shape
+        assert torch.equal(key_blocks(b.keys, 16), attention.blocked(a.keys)) and torch.equal(a.values, b.values.float())
         assert torch.equal(attention.unblocked(key_blocks(b.keys, 16), 18), a.keys[:, :, :18])
         assert int(a.cumulative_length) == int(b.cumulative_length) == 18
 
@@ -103,10 +107,12 @@ def test_bad_inputs_are_refused_with_the_reason():
     q, k, v, mask = case(heads=2, rows=4, n=4, lk=20, dim=64, seed=0)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         attend(q, k.double(), v, mask, 1.0)
+    with pytest.raises(RuntimeError, match="v must be contiguous bf16"):
+        attention.attend(q, attention.blocked(k), v, mask, 1.0)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         attend(q[..., :40], k[..., :40].contiguous(), v[..., :40].contiguous(), mask, 1.0)
     with pytest.raises(RuntimeError, match=r"C/16, D, 16"):
-        attention.attend(q, attention.blocked(k[:, :16]), v, mask, 1.0)     # 16 key rows for Lk 20
+        attention.attend(q, attention.blocked(k[:, :16]), v.bfloat16(), mask, 1.0)     # 16 key rows for Lk 20
     assert not attention.supports(40) and attention.supports(128) and not attention.supports(256)
 
 
@@ -123,6 +129,20 @@ def int4_target(seed: int):
     quantize_cpu(model, "int4")
     target = tiny_target(model)
     return type(target)(**{**target.__dict__, "quant": "int4"})
+
+
+def test_the_cached_values_lose_nothing_in_bf16():
+    """The cache keeps V in bf16 (kv.BlockedKVLayer) because the 4-bit kernels' outputs are bf16
+    values: a bias-free v_proj's rows, written and read back, are the fp32 rows themselves."""
+    target = int4_target(seed=3)
+    written = []
+    target.model.model.layers[1].self_attn.v_proj.register_forward_hook(lambda m, i, out: written.append(out))
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8), row_attention=True))
+    runner.prefill(torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2)).tolist(), 0)
+    rows = torch.cat([w.reshape(-1, w.shape[-1]) for w in written])[:20]           # (20, Hkv * D), less padding rows
+    assert written and torch.equal(rows.bfloat16().float(), rows)
+    cached = runner.cache.layers[1].values[0, :, :20]                              # (Hkv, 20, D) bf16
+    assert cached.dtype == torch.bfloat16 and torch.equal(cached.float().transpose(0, 1).reshape(20, -1), rows)
 
 
 def test_tree_logits_equal_one_token_at_a_time_bit_for_bit():

@@ -32,10 +32,13 @@ SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96)  # the issue's sizes plus 2 and 4: on a
 LARGE_SIZES = SIZES + (128, 192, 256, 384, 512, 1024)   # a slow (offloaded) target: big trees may pay (SpecExec)
 WIDTHS = (1, 2, 4, 6, 8, 10)
 SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attention's growth with context
-SHORT_CONTEXT, LONG_CONTEXT = 32, 512
+# The long context is long so that the slope is measured, not guessed: at 512 a host's noise moved a
+# one-token round by as much as 512 tokens of attention add (5.7 or 7.1 ms against 5.3-5.6 at 32, the
+# 2-core Zen 4), and extrapolated to a 2,400-token chat the profile said 15 ms a token for 8.2.
+SHORT_CONTEXT, LONG_CONTEXT = 32, 2048
 REPEATS = 5
 WARM, WARM_FIRST = 2, 12
-VERSION = 18   # 18: head steps' context slope; 17: a CPU's graphs run from a C++ wrapper (core/runtime/graphs.py CPP_WRAPPER), ~1 ms less a verify
+VERSION = 19   # 19: the slopes at 2,048 tokens; 18: head steps' context slope; 17: a CPU's graphs run from a C++ wrapper (core/runtime/graphs.py CPP_WRAPPER), ~1 ms less a verify
 
 
 @dataclass(frozen=True)

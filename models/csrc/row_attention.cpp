@@ -1,11 +1,13 @@
 // Attention for a few query rows over a static KV cache, each row computed on its own in one fixed
-// order (models/attention.py says why). fp32 throughout; GCC vector types, so the same source runs
+// order (models/attention.py says why). fp32 arithmetic; GCC vector types, so the same source runs
 // on AVX-512 and AVX2 machines (each build's arithmetic fixed at compile time).
 //
 // q (H, R, D): H KV heads, R = r * N query rows each (GQA folded: row i reads mask row i % N);
 // kt (H, C/16, D, 16): the cached keys in blocks of 16 rows, each block transposed (kt[h][b][d][l]
 // is element d of key 16b + l), so element d of 16 neighbouring keys is one vector and a block's
-// 4 KB (D 64) lie together; v (H, C, D); the first Lk keys and values are read. mask (N, Lk)
+// 4 KB (D 64) lie together; v (H, C, D) in bf16, widened exactly to fp32 as read (the 4-bit
+// kernels' outputs are bf16 values: half the bytes a token streams for V, the same bits); the
+// first Lk keys and values are read. mask (N, Lk)
 // additive: a column is seen where its entry is above -1e30 (0), blocked where it is a large
 // negative number (finfo.min, -inf). out (H, R, D) = softmax(q k^T * scale + mask) v.
 //
@@ -48,6 +50,21 @@ inline float hsum(vf a) {  // lanes [0, L/2) + [L/2, L), then halves again: one 
 }
 
 inline vf splat(float x) { return vf{} + x; }
+
+// L bf16 values -> fp32 (exact: a bf16 is an fp32's upper half).
+inline vf load_bf16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif defined(__AVX2__)
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+  vu w;
+  for (int l = 0; l < L; l++) w[l] = uint32_t(p[l]) << 16;
+  vf x;
+  std::memcpy(&x, &w, sizeof x);
+  return x;
+#endif
+}
 
 // a * b + c rounded once where the CPU has FMA, else twice: spelled out, so every instantiation
 // rounds the same way (the build forbids the compiler's own contraction, which could differ
@@ -112,7 +129,7 @@ inline float sum_seen(const float* p, const float* mask, int64_t dense, int64_t 
 // kt (Lk/16 blocks, D, 16), v (Lk, D); mask[b] (Lk,), its first dense[b] columns
 // all seen; s[b] (Lk rounded up to 16) and packed (Lk + L) scratch. Each row's arithmetic is its own.
 template <int D, int B>
-void rows_of(const float* const* q, const float* kt, const float* v, const float* const* mask, const int64_t* dense,
+void rows_of(const float* const* q, const float* kt, const uint16_t* v, const float* const* mask, const int64_t* dense,
              float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
   constexpr int C = D / L;
   const int64_t blocks = (lk + KB - 1) / KB, padded = blocks * KB;
@@ -156,7 +173,7 @@ void rows_of(const float* const* q, const float* kt, const float* v, const float
   vf acc[B][C] = {};
   for (int64_t j = 0; j < lk; j++) {
     vf val[C];
-    for (int c = 0; c < C; c++) val[c] = load(v + j * D + L * c);
+    for (int c = 0; c < C; c++) val[c] = load_bf16(v + j * D + L * c);
     for (int b = 0; b < B; b++) {
       const vf p = splat(s[b][j]);
       for (int c = 0; c < C; c++) acc[b][c] = fma(p, val[c], acc[b][c]);
@@ -167,7 +184,7 @@ void rows_of(const float* const* q, const float* kt, const float* v, const float
 }
 
 template <int D>
-void rows_for(int B, const float* const* q, const float* kt, const float* v, const float* const* mask,
+void rows_for(int B, const float* const* q, const float* kt, const uint16_t* v, const float* const* mask,
               const int64_t* dense, float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
   switch (B) {
     case 1: return rows_of<D, 1>(q, kt, v, mask, dense, out, s, packed, lk, scale);
@@ -180,8 +197,9 @@ void rows_for(int B, const float* const* q, const float* kt, const float* v, con
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v, const at::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && kt.dim() == 4 && v.dim() == 3 && mask.dim() == 2,
               "q (H, rows, D), kt (H, C/16, D, 16), v (H, C, D), mask (N, Lk)");
-  for (const at::Tensor* t : {&q, &kt, &v, &mask})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "q, kt, v and mask must be contiguous fp32");
+  for (const at::Tensor* t : {&q, &kt, &mask})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "q, kt and mask must be contiguous fp32");
+  TORCH_CHECK(v.scalar_type() == at::kBFloat16 && v.is_contiguous(), "v must be contiguous bf16");
   const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), n = mask.size(0), lk = mask.size(1);
   TORCH_CHECK(d % 16 == 0 && d >= 16 && d <= 128, "the head size must be a multiple of 16 up to 128");
   const int64_t width = (lk + KB - 1) / KB * KB;
@@ -189,7 +207,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v
               && kt.size(1) * KB >= lk && v.size(1) >= lk, "kt must be (H, C/16, D, 16) and v (H, C, D), C >= Lk");
   TORCH_CHECK(rows % n == 0, "the rows must be whole groups of the mask's N");
   at::Tensor out = at::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *vp = v.data_ptr<float>(), *mp = mask.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *mp = mask.data_ptr<float>();
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   const int64_t key_stride = kt.size(1) * d * KB, value_stride = v.size(1) * d;
   std::vector<int64_t> dense(n);   // each mask row's first blocked column (all before it are seen)
@@ -224,7 +243,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v
         os[b] = op + (h * rows + r0 + b) * d;
         ss[b] = scratch.data() + b * width;
       }
-      const float *kh = kp + h * key_stride, *vh = vp + h * value_stride;
+      const float* kh = kp + h * key_stride;
+      const uint16_t* vh = vp + h * value_stride;
       switch (d / 16) {
         case 1: rows_for<16>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
         case 2: rows_for<32>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
