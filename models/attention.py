@@ -18,7 +18,7 @@ a forward reads them: from memory at long contexts), ms, 1 / 2 / 8 tokens: Lk 25
 2.60 row by row, 0.39 / 0.52 / 1.24 in blocks; Lk 1024 2.17 / 3.10 / 10.28 against 1.55 / 1.89 /
 4.86; Lk 2752 6.05 / 8.26 / 26.64 against 4.93 / 5.60 / 12.81. (Keys wholly transposed, (H, D, C),
 computed alike but read 64 strided streams: 8.59 / 9.64 / 16.83 at Lk 2752.) Values are read in
-bf16, which they are (the cache's values, kv.BlockedKVLayer): Lk 2752, 1 / 2 / 8 tokens 4.16 / 5.87 /
+bf16 where the cache keeps them so (kv.BlockedKVLayer: where they are bf16 values already): Lk 2752, 1 / 2 / 8 tokens 4.16 / 5.87 /
 13.28 -> 3.24 / 4.85 / 12.66 ms, the same bits.
 """
 
@@ -77,6 +77,6 @@ def unblocked(key_blocks: torch.Tensor, rows: int) -> torch.Tensor:
 def attend(query: torch.Tensor, key_blocks: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
            scale: float) -> torch.Tensor:
     """query (Hkv, R, D) fp32, R = r * N folded rows; key_blocks (Hkv, C/16, D, 16) fp32, the cached
-    keys `blocked` (core/runtime/kv.py BlockedKVLayer); value (Hkv, C, D) bf16; mask (N, Lk) additive
+    keys `blocked` (core/runtime/kv.py BlockedKVLayer); value (Hkv, C, D) fp32 or bf16; mask (N, Lk) additive
     fp32 -> (Hkv, R, D): softmax(q k^T * scale + mask) v over the first Lk cache rows."""
     return torch.ops.aerie_attn.attend(query.contiguous(), key_blocks, value, mask, scale)

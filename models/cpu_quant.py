@@ -160,6 +160,14 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def bf16_outputs(model: nn.Module, name: str) -> bool:
+    """Whether every linear called `name` in `model` (each layer's v_proj, say) returns bf16 values:
+    an Int4Linear or Int8Linear without a bias (their kernels round outputs to bf16; a bias is added
+    after, in fp32). False where there is no such linear (a fused projection)."""
+    found = [m for path, m in model.named_modules() if path.rsplit(".", 1)[-1] == name]
+    return bool(found) and all(isinstance(m, (Int4Linear, Int8Linear)) and m.bias is None for m in found)
+
+
 def bf16_terms(weight: torch.Tensor) -> torch.Tensor:
     """(N, K) fp32 -> (N, 3K) bf16 [hi | mid | lo] with hi + mid + lo == weight exactly: each term
     takes the next 8 significant bits of what is left. Raises where a value needs more (none of

@@ -65,6 +65,13 @@ def test_a_row_is_the_same_alone_beside_others_and_whatever_the_padding():
     assert torch.equal(attend(q, k, v, padded, 0.125), together)
 
 
+def test_values_in_bf16_or_fp32_give_the_same_rows():
+    """The kernel reads V as the cache keeps it: bf16 values widened exactly, or fp32."""
+    q, k, v, mask = case(heads=3, rows=3 * 5, n=5, lk=130, dim=64, seed=8)
+    blocks = attention.blocked(k)
+    assert torch.equal(attention.attend(q, blocks, v, mask, 0.125), attention.attend(q, blocks, v.bfloat16(), mask, 0.125))
+
+
 def test_a_tree_nodes_row_is_its_token_alone_wherever_its_column_sits():
     """A tree puts node i's K/V at column L + i, its token alone sits at L + depth: with the
     siblings between blocked, the row must not change (it did, by fp32 rounding of the softmax's
@@ -85,7 +92,8 @@ def test_a_tree_nodes_row_is_its_token_alone_wherever_its_column_sits():
 def test_the_blocked_cache_holds_the_keys_a_plain_cache_holds_through_writes_and_commits():
     """kv.BlockedKVLayer's keys are `blocked` of a StaticLayer's after the same forwards' writes and
     a tree's commit (rows moved down across a block's edge), and `unblocked` gives them back."""
-    plain, blocks = (static_cache(2, 70, 3, 16, torch.float32, torch.device("cpu"), blocked_keys=b) for b in (False, True))
+    plain = static_cache(2, 70, 3, 16, torch.float32, torch.device("cpu"))
+    blocks = static_cache(2, 70, 3, 16, torch.float32, torch.device("cpu"), blocked_keys=True, value_dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(6)
     for rows in (13, 6, 9):                                   # writes across the 16-row blocks
         k, v = torch.randn(2, 1, 3, rows, 16, generator=g)
@@ -107,8 +115,8 @@ def test_bad_inputs_are_refused_with_the_reason():
     q, k, v, mask = case(heads=2, rows=4, n=4, lk=20, dim=64, seed=0)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         attend(q, k.double(), v, mask, 1.0)
-    with pytest.raises(RuntimeError, match="v must be contiguous bf16"):
-        attention.attend(q, attention.blocked(k), v, mask, 1.0)
+    with pytest.raises(RuntimeError, match="v must be contiguous fp32 or bf16"):
+        attention.attend(q, attention.blocked(k), v.double(), mask, 1.0)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         attend(q[..., :40], k[..., :40].contiguous(), v[..., :40].contiguous(), mask, 1.0)
     with pytest.raises(RuntimeError, match=r"C/16, D, 16"):
@@ -143,6 +151,24 @@ def test_the_cached_values_lose_nothing_in_bf16():
     assert written and torch.equal(rows.bfloat16().float(), rows)
     cached = runner.cache.layers[1].values[0, :, :20]                              # (Hkv, 20, D) bf16
     assert cached.dtype == torch.bfloat16 and torch.equal(cached.float().transpose(0, 1).reshape(20, -1), rows)
+
+
+def test_a_biased_v_proj_keeps_its_values_in_fp32():
+    """A bias is added to V after the kernel's bf16 rounding (Qwen2's projections have one): its
+    rows are no bf16 values, so the cache keeps them whole, and trees still equal one token's."""
+    model = tiny_llama(seed=5, layers=3)
+    for layer in model.model.layers:
+        old = layer.self_attn.v_proj
+        layer.self_attn.v_proj = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    quantize_cpu(model, "int4")
+    target = tiny_target(model)
+    target = type(target)(**{**target.__dict__, "quant": "int4"})
+    runner = TargetRunner(target, RunnerConfig(compile=False, buckets=(1, 8), row_attention=True))
+    assert runner.row_attention and runner.cache.layers[0].values.dtype == torch.float32
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner.prefill(ids[:24], 0)
+    sequential = one_token_at_a_time(runner, ids[24:])
+    assert torch.equal(chain_at_once(runner, ids[24:], 24), sequential)
 
 
 def test_tree_logits_equal_one_token_at_a_time_bit_for_bit():

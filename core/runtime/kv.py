@@ -39,23 +39,26 @@ class BlockedKVLayer(KVLayer):
     head: keys (1, Hkv, C/16 * Dh * 16), element d of row p at (p // 16) * Dh * 16 + d * 16 + p % 16.
     Flat, a forward's rows go in with one index_copy_, which a compiled graph does in place (written
     through an indexed 5-D view, inductor copied the whole cache at each forward: 16 ms a token);
-    `key_blocks` is the kernel's view. Values (1, Hkv, C, Dh) as a StaticLayer's, but in bf16: the
-    4-bit kernels round their outputs to bf16, so a bias-free v_proj's rows are bf16 values and keep
-    every bit in half the bytes (with a bias, V is rounded alike for every row: a tree's rows still
-    equal one token's). At long contexts a token streams the whole cache: at 2,752 rows, 30 layers'
-    one-token calls 4.16 -> 3.24 ms on the 2-core Zen 4. Keys stay fp32: RoPE's rotation leaves
-    them fp32 values."""
+    `key_blocks` is the kernel's view. Values (1, Hkv, C, Dh) as a StaticLayer's, in `value_dtype`
+    (default the keys'): bf16 where V is the 4-bit or 8-bit kernels' bias-free output, which they
+    round to bf16, so the same bits in half the bytes (models/cpu_quant.py `bf16_outputs`). At long
+    contexts a token streams the whole cache: at 2,752 rows, 30 layers' one-token calls 4.16 ->
+    3.24 ms on the 2-core Zen 4. Keys stay fp32: RoPE's rotation leaves them fp32 values."""
+
+    def __init__(self, max_cache_len: int, value_dtype: torch.dtype | None = None):
+        super().__init__(max_cache_len)
+        self.value_dtype = value_dtype
 
     def lazy_initialization(self, key_states, value_states):
-        # StaticLayer's own on zero-width rows (its device, heads, counter, flags; no buffers of
-        # its own, which the layout's would replace at once), then this layout's buffers.
+        # StaticLayer's own with a head size of 0 (its device, heads, counter, flags; no buffers of
+        # its own, which this layout's would replace at once), then this layout's buffers.
         super().lazy_initialization(key_states[..., :0], value_states[..., :0])
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         blocks = -(-self.max_cache_len // KEY_BLOCK)
         self.keys = torch.zeros((self.batch_size, self.num_heads, blocks * self.k_head_dim * KEY_BLOCK),
                                 dtype=key_states.dtype, device=self.device)
         self.values = torch.zeros((self.batch_size, self.num_heads, self.max_cache_len, self.v_head_dim),
-                                  dtype=torch.bfloat16, device=self.device)
+                                  dtype=self.value_dtype or value_states.dtype, device=self.device)
         torch._dynamo.mark_static_address(self.keys)
         torch._dynamo.mark_static_address(self.values)
 
@@ -85,11 +88,12 @@ def key_blocks(keys: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def static_cache(layers: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, blocked_keys: bool = False) -> Cache:
+                 device: torch.device, blocked_keys: bool = False, value_dtype: torch.dtype | None = None) -> Cache:
     """`layers` KV layers of `capacity` rows each, allocated now (so their addresses never change);
-    blocked_keys: the keys as the row attention kernel reads them (BlockedKVLayer)."""
-    layer = BlockedKVLayer if blocked_keys else KVLayer
-    cache = Cache(layers=[layer(capacity) for _ in range(layers)])
+    blocked_keys: the keys as the row attention kernel reads them, the values in `value_dtype`
+    (BlockedKVLayer)."""
+    make = (lambda: BlockedKVLayer(capacity, value_dtype)) if blocked_keys else (lambda: KVLayer(capacity))
+    cache = Cache(layers=[make() for _ in range(layers)])
     cache.early_initialization(1, kv_heads, head_dim, dtype, device)
     return cache
 

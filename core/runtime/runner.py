@@ -29,6 +29,7 @@ from core.config import PLANNED_CONTEXT
 from core.runtime.graphs import Graph, GraphJob, compiled_all, graph_name, row_groups, rows_label
 from core.runtime.kv import additive_mask, attended_rows, cache_bytes, keep_rows, key_blocks, set_length, static_cache
 from models import attention
+from models.cpu_quant import bf16_outputs
 from models.quants import CPU_QUANTS
 from models.target import Target
 
@@ -49,7 +50,8 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     prefill's fp32 (`TargetRunner.prefill`).
     """
     if attention_mask is None or attention_mask.dim() != 4:  # a 2D-mask caller (e.g. generate()): plain SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(module, query, key, value.to(key.dtype), attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)   # (bf16 values beside fp32 keys: kv.BlockedKVLayer)
     batch, q_heads, n, dim = query.shape
     kv_heads, lk = key.shape[1], attention_mask.shape[-1]
     r = q_heads // kv_heads
@@ -63,9 +65,9 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 def row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """tree_attention on models/attention.py's kernel for up to MAX_ROWS query tokens (a verify, a
-    short prefill chunk): each row alone in one fixed fp32 order over the fp32 cache, so a tree's
-    rows equal one token's bit for bit. key (1, Hkv, C/16 * D * 16): the cache's key blocks, flat
-    (kv.BlockedKVLayer). Other calls (a 2D mask, more rows) keep fp32 SDPA."""
+    short prefill chunk): each row alone in one fixed fp32 order over the cache (fp32 keys, values
+    fp32 or bf16), so a tree's rows equal one token's bit for bit. key (1, Hkv, C/16 * D * 16): the
+    cache's key blocks, flat (kv.BlockedKVLayer). Other calls (a 2D mask, more rows) keep fp32 SDPA."""
     blocks = key_blocks(key, query.shape[-1])                                             # (1, Hkv, C/16, D, 16)
     if attention_mask is None or attention_mask.dim() != 4 or query.shape[0] != 1 or query.shape[2] > attention.MAX_ROWS:
         # only the rows attention reads: a 4D mask's Lk (tree_attention), else the whole cache
@@ -92,7 +94,7 @@ class RunnerConfig:
     compile: bool = True                 # one compiled graph per bucket; False = the eager reference path
     buckets: tuple[int, ...] | None = None   # None = the device's (CPU_BUCKETS / CUDA_BUCKETS)
     context: int = PLANNED_CONTEXT       # KV rows kept for the chat (capped at the model's context)
-    # Exact attention on models/attention.py's kernel over an fp32 cache (the caller loaded it);
+    # Exact attention on models/attention.py's kernel over an fp32 cache (V maybe bf16; the caller loaded it);
     # False: fp64 SDPA over an fp64 cache. Only where `exact` applies.
     row_attention: bool = False
     # A simulated slow target (bench --verify-delay-ms): every prefill and verify waits this long, the
@@ -140,8 +142,10 @@ class TargetRunner:
         register_attention()
         target.model.set_attn_implementation(ROW_ATTENTION if self.row_attention else ATTENTION)
         self.num_layers = text.num_hidden_layers
+        # V in bf16 where it is a 4-bit or 8-bit kernel's bias-free output: those are bf16 values already.
+        values = torch.bfloat16 if self.row_attention and bf16_outputs(target.model, "v_proj") else kv_dtype
         self.cache = static_cache(self.num_layers, self.capacity, text.num_key_value_heads, head_dim, kv_dtype, self.device,
-                                  blocked_keys=self.row_attention)
+                                  blocked_keys=self.row_attention, value_dtype=values)
         self.length = 0                  # L, the cache's length counter mirrored on the host
         self.ids: list[int] = []         # the token ids at cache rows [0, L) once committed
         self.verified_at = 0             # L before the last verify: where commit moves the kept rows

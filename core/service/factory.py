@@ -214,7 +214,8 @@ def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None)
            "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "kernel": kernels.target.kernel} if kernels else None,
            "head": head_identity(spec.head) if runner.feature_layers else None,
            "attention": attention.source_digest(cpu_flags()) if runner.row_attention else "sdpa",
-           "kv": str(runner.cache.layers[0].keys.dtype), "buckets": list(runner.buckets), "capacity": runner.capacity,
+           "kv": str(runner.cache.layers[0].keys.dtype), "kv_values": str(runner.cache.layers[0].values.dtype),
+           "buckets": list(runner.buckets), "capacity": runner.capacity,
            "features": runner.feature_layers}
     folder = spec.cache_dir / "graphs" / hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)

@@ -71,10 +71,10 @@ class MedusaDrafter:
             tensors += list(self.projection.parameters()) + list(self.projection.buffers())
         return tensor_bytes([t for t in tensors if storage(t)[0] not in borrowed])
 
-    @torch.inference_mode()
     def prime(self, context: list[int], fresh):
         return fresh
 
+    @torch.inference_mode()
     def draft(self, context: list[int], fresh) -> Draft:
         feature = fresh.features[-1:, self.columns].to(self.dtype)                  # (1, H)
         out = self.heads(feature, self.levels)[:, 0]                                # (D, Vd), or (D, H) shared

@@ -86,7 +86,8 @@ class LatencyProfile:
         """ms of a head step of `width` rows after `context` cached tokens (linear in context, as a round)."""
         if not self.head_ms:
             return 0.0
-        slope = interpolate(self.widths, self.head_slope_ms, width) if self.head_slope_ms else 0.0
+        # never negative: past the widest width timed the last segment is extended, and noise can tilt it down
+        slope = max(0.0, interpolate(self.widths, self.head_slope_ms, width)) if self.head_slope_ms else 0.0
         extra = max(context - self.contexts[0], 0) * slope
         return interpolate(self.widths, self.head_ms, width) + extra
 

@@ -65,7 +65,8 @@ class Meter:
     uncaught: int = 1   # rows the head's next catch-up feeds: after the prefill (which primed it), its last
 
     def add(self, step) -> None:
-        self.profiled_s += self.profile.round(step.tree_size, self.prompt_len + self.tokens) / 1000
+        context = self.prompt_len + self.tokens   # what the round drafted and verified after
+        self.profiled_s += self.profile.round(step.tree_size, context) / 1000
         round_s = step.draft_s + step.verify_s + step.commit_s
         self.tokens += len(step.new_ids)
         self.engine_s += round_s
@@ -83,8 +84,7 @@ class Meter:
         caught_up, self.uncaught = self.uncaught, len(step.new_ids)
         self.drafts += 1
         self.draft_s += step.draft_s
-        self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, caught_up,
-                                                    self.prompt_len + self.tokens) / 1000
+        self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, caught_up, context) / 1000
 
     @property
     def load(self) -> float:

@@ -5,9 +5,9 @@
 // q (H, R, D): H KV heads, R = r * N query rows each (GQA folded: row i reads mask row i % N);
 // kt (H, C/16, D, 16): the cached keys in blocks of 16 rows, each block transposed (kt[h][b][d][l]
 // is element d of key 16b + l), so element d of 16 neighbouring keys is one vector and a block's
-// 4 KB (D 64) lie together; v (H, C, D) in bf16, widened exactly to fp32 as read (the 4-bit
-// kernels' outputs are bf16 values: half the bytes a token streams for V, the same bits); the
-// first Lk keys and values are read. mask (N, Lk)
+// 4 KB (D 64) lie together; v (H, C, D) fp32 or bf16, widened exactly to fp32 as read (where the
+// 4-bit kernels' outputs are V, they are bf16 values: half the bytes a token streams, the same
+// bits); the first Lk keys and values are read. mask (N, Lk)
 // additive: a column is seen where its entry is above -1e30 (0), blocked where it is a large
 // negative number (finfo.min, -inf). out (H, R, D) = softmax(q k^T * scale + mask) v.
 //
@@ -51,8 +51,10 @@ inline float hsum(vf a) {  // lanes [0, L/2) + [L/2, L), then halves again: one 
 
 inline vf splat(float x) { return vf{} + x; }
 
+inline vf load_value(const float* p) { return load(p); }
+
 // L bf16 values -> fp32 (exact: a bf16 is an fp32's upper half).
-inline vf load_bf16(const uint16_t* p) {
+inline vf load_value(const uint16_t* p) {
 #if defined(__AVX512F__)
   return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 #elif defined(__AVX2__)
@@ -128,8 +130,8 @@ inline float sum_seen(const float* p, const float* mask, int64_t dense, int64_t 
 // B <= 4 query rows of one head, sharing each key's and value's loads: q[b], out[b] (D,), D = C L;
 // kt (Lk/16 blocks, D, 16), v (Lk, D); mask[b] (Lk,), its first dense[b] columns
 // all seen; s[b] (Lk rounded up to 16) and packed (Lk + L) scratch. Each row's arithmetic is its own.
-template <int D, int B>
-void rows_of(const float* const* q, const float* kt, const uint16_t* v, const float* const* mask, const int64_t* dense,
+template <int D, int B, typename T>
+void rows_of(const float* const* q, const float* kt, const T* v, const float* const* mask, const int64_t* dense,
              float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
   constexpr int C = D / L;
   const int64_t blocks = (lk + KB - 1) / KB, padded = blocks * KB;
@@ -173,7 +175,7 @@ void rows_of(const float* const* q, const float* kt, const uint16_t* v, const fl
   vf acc[B][C] = {};
   for (int64_t j = 0; j < lk; j++) {
     vf val[C];
-    for (int c = 0; c < C; c++) val[c] = load_bf16(v + j * D + L * c);
+    for (int c = 0; c < C; c++) val[c] = load_value(v + j * D + L * c);
     for (int b = 0; b < B; b++) {
       const vf p = splat(s[b][j]);
       for (int c = 0; c < C; c++) acc[b][c] = fma(p, val[c], acc[b][c]);
@@ -183,8 +185,8 @@ void rows_of(const float* const* q, const float* kt, const uint16_t* v, const fl
     for (int c = 0; c < C; c++) store(out[b] + L * c, acc[b][c] / sum[b]);
 }
 
-template <int D>
-void rows_for(int B, const float* const* q, const float* kt, const uint16_t* v, const float* const* mask,
+template <int D, typename T>
+void rows_for(int B, const float* const* q, const float* kt, const T* v, const float* const* mask,
               const int64_t* dense, float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
   switch (B) {
     case 1: return rows_of<D, 1>(q, kt, v, mask, dense, out, s, packed, lk, scale);
@@ -194,12 +196,29 @@ void rows_for(int B, const float* const* q, const float* kt, const uint16_t* v, 
   }
 }
 
+// One task's rows of one head: rows_for at the head size d (a multiple of 16 up to 128).
+template <typename T>
+void head_rows(int64_t d, int B, const float* const* q, const float* kt, const T* v, const float* const* mask,
+               const int64_t* dense, float* const* out, float* const* s, float* packed, int64_t lk, float scale) {
+  switch (d / 16) {
+    case 1: return rows_for<16>(B, q, kt, v, mask, dense, out, s, packed, lk, scale);
+    case 2: return rows_for<32>(B, q, kt, v, mask, dense, out, s, packed, lk, scale);
+    case 3: return rows_for<48>(B, q, kt, v, mask, dense, out, s, packed, lk, scale);
+    case 4: return rows_for<64>(B, q, kt, v, mask, dense, out, s, packed, lk, scale);
+    case 5: return rows_for<80>(B, q, kt, v, mask, dense, out, s, packed, lk, scale);
+    case 6: return rows_for<96>(B, q, kt, v, mask, dense, out, s, packed, lk, scale);
+    case 7: return rows_for<112>(B, q, kt, v, mask, dense, out, s, packed, lk, scale);
+    default: return rows_for<128>(B, q, kt, v, mask, dense, out, s, packed, lk, scale);
+  }
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v, const at::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && kt.dim() == 4 && v.dim() == 3 && mask.dim() == 2,
               "q (H, rows, D), kt (H, C/16, D, 16), v (H, C, D), mask (N, Lk)");
   for (const at::Tensor* t : {&q, &kt, &mask})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "q, kt and mask must be contiguous fp32");
-  TORCH_CHECK(v.scalar_type() == at::kBFloat16 && v.is_contiguous(), "v must be contiguous bf16");
+  const bool bf16 = v.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || v.scalar_type() == at::kFloat) && v.is_contiguous(), "v must be contiguous fp32 or bf16");
   const int64_t heads = q.size(0), rows = q.size(1), d = q.size(2), n = mask.size(0), lk = mask.size(1);
   TORCH_CHECK(d % 16 == 0 && d >= 16 && d <= 128, "the head size must be a multiple of 16 up to 128");
   const int64_t width = (lk + KB - 1) / KB * KB;
@@ -208,7 +227,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v
   TORCH_CHECK(rows % n == 0, "the rows must be whole groups of the mask's N");
   at::Tensor out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *mp = mask.data_ptr<float>();
-  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const float* vf32 = bf16 ? nullptr : v.data_ptr<float>();
+  const uint16_t* vb16 = bf16 ? reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t key_stride = kt.size(1) * d * KB, value_stride = v.size(1) * d;
   std::vector<int64_t> dense(n);   // each mask row's first blocked column (all before it are seen)
@@ -244,17 +264,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kt, const at::Tensor& v
         ss[b] = scratch.data() + b * width;
       }
       const float* kh = kp + h * key_stride;
-      const uint16_t* vh = vp + h * value_stride;
-      switch (d / 16) {
-        case 1: rows_for<16>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 2: rows_for<32>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 3: rows_for<48>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 4: rows_for<64>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 5: rows_for<80>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 6: rows_for<96>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        case 7: rows_for<112>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-        default: rows_for<128>(B, qs, kh, vh, ms, ds, os, ss, packed, lk, float(scale)); break;
-      }
+      if (bf16)
+        head_rows(d, B, qs, kh, vb16 + h * value_stride, ms, ds, os, ss, packed, lk, float(scale));
+      else
+        head_rows(d, B, qs, kh, vf32 + h * value_stride, ms, ds, os, ss, packed, lk, float(scale));
     }
   });
   return out;
