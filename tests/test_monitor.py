@@ -13,7 +13,7 @@ from core.config import ReplyStats, SamplingConfig
 from core.runtime.memory import storage, tensor_bytes
 from core.tune.monitor import engine_memory, gpu_bars, snapshot
 from core.tune.probe import GpuReading, Probe
-from core.tune.latency import LatencyProfile, cached_profile, profile_mismatch, shape_mismatch
+from core.tune.latency import LatencyProfile, Rounds, cached_profile, profile_mismatch, shape_mismatch
 from tests.conftest import load_tuned_tiny
 from tests.fakes import FakeNvml
 
@@ -75,7 +75,7 @@ def test_a_profile_is_measured_again_only_if_every_check_finds_it_off(loaded, mo
     profile = LatencyProfile(sizes=(1, 2, 4), round_ms=(10.0, 11.0, 13.0), contexts=(32, 512), slope_sizes=(1,),
                              slope_ms=(0.0,))
     measured = iter(checks)
-    monkeypatch.setattr("core.tune.latency.rounds", lambda *args: next(measured))
+    monkeypatch.setattr("core.tune.latency.rounds", lambda *args: Rounds(next(measured)))
     why = profile_mismatch(loaded.engine, profile)
     assert (why is not None) == off and next(measured, None) is None   # both checks ran; the second decided
 

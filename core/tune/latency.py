@@ -167,7 +167,7 @@ def profile_mismatch(engine, profile: LatencyProfile) -> str | None:
     # burst of load, or the first rounds after a start running slow), 10-20 s each; a shape that
     # really changed fails the second check too.
     for _ in range(CHECKS):
-        measured = monotone(rounds(engine, ids, SHORT_CONTEXT, sizes))
+        measured = monotone(rounds(engine, ids, SHORT_CONTEXT, sizes).round_ms)
         why = shape_mismatch(sizes, measured, [profile.round(n, SHORT_CONTEXT) for n in sizes])
         if why is None:
             break
@@ -193,17 +193,17 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
     t0 = time.perf_counter()
     long_ = max(SHORT_CONTEXT + 1, min(LONG_CONTEXT, engine.context_len - max(sizes) - 1))
     ids = arbitrary_ids(engine, long_ + max(sizes))
-    short_ms = monotone(rounds(engine, ids, SHORT_CONTEXT, sizes))
+    drafter = engine.drafter
+    widths = WIDTHS if isinstance(drafter, EagleDrafter) else ()   # a head to time: its steps, whole drafts
+    short = rounds(engine, ids, SHORT_CONTEXT, sizes, widths)
+    short_ms, head_ms = monotone(short.round_ms), short.head_ms
     slope_sizes = tuple(n for n in sizes if n in SLOPE_SIZES) or sizes[:1]
-    long_ms = rounds(engine, ids, long_, slope_sizes)
+    longer = rounds(engine, ids, long_, slope_sizes, widths)
     slopes = tuple(max(0.0, (ms - short_ms[sizes.index(n)]) / (long_ - SHORT_CONTEXT))
-                   for n, ms in zip(slope_sizes, long_ms))
-    drafter, widths, head_ms, head_slopes, rerank_ms, fixed, level = engine.drafter, (), (), (), 0.0, 0.0, 0.0
-    if isinstance(drafter, EagleDrafter):  # a head to time: its steps, whole drafts
-        widths = WIDTHS
-        head_ms = time_head_steps(drafter, engine, ids[:SHORT_CONTEXT], widths)
-        head_long = time_head_steps(drafter, engine, ids[:long_], widths)
-        head_slopes = tuple(max(0.0, (b - a) / (long_ - SHORT_CONTEXT)) for a, b in zip(head_ms, head_long))
+                   for n, ms in zip(slope_sizes, longer.round_ms))
+    head_slopes = tuple(max(0.0, (b - a) / (long_ - SHORT_CONTEXT)) for a, b in zip(head_ms, longer.head_ms))
+    rerank_ms, fixed, level = 0.0, 0.0, 0.0
+    if widths:
         rerank_ms = time_rerank()
         # What a whole draft costs beyond its head steps and rerank: the drafter's own bookkeeping.
         flat = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(0, 1, 2, copy=0))   # head steps, never a copy
@@ -232,7 +232,13 @@ def monotone(costs: list[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) -> list[float]:
+@dataclass(frozen=True)
+class Rounds:
+    round_ms: list[float]             # [size]: verify + accept + commit
+    head_ms: tuple[float, ...] = ()   # [width]: one head step, where widths were asked for (an EAGLE head)
+
+
+def rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...], widths: tuple[int, ...] = ()) -> Rounds:
     """ms of verify + accept + commit of a tree of each size after `context` cached tokens, each
     round as a chat runs it: a 1-token round right after another (plain decoding), a tree's right
     after a head step (EAGLE's draft, untimed). The median of REPEATS rounds after WARM untimed
@@ -242,12 +248,14 @@ def rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) -> list
     before it (on the 2-core AMX Xeon a 2-token round cost 10.1 ms where EAGLE's took 8.7, and one
     token as much as two); timed back to back without the head's step between, trees looked ~10%
     cheaper against one token than in EAGLE's own rounds. The tuner and the page's meter read these
-    ratios."""
+    ratios. With `widths` (an EAGLE head), then one head step at each frontier width after the
+    same context (forward, draft scores and their top-k), without reading the prompt again."""
     engine.reset()
     drafted = engine.prefill(ids[:context])
     # Without an EAGLE head (prompt lookup drafts in microseconds) trees follow each other back to back.
-    head_step = (engine.drafter.frontier_steps(drafted.features[:-1], ids[1:context], (1,))[0]
-                 if isinstance(engine.drafter, EagleDrafter) else lambda: None)
+    steps = (engine.drafter.frontier_steps(drafted.features[:-1], ids[1:context], (1, *widths))  # pairs (f_t, x_{t+1})
+             if isinstance(engine.drafter, EagleDrafter) else [lambda: None])
+    head_step = steps[0]
     greedy, rng = SamplingConfig(), torch.Generator(device=engine.device)
 
     def once(tree) -> None:
@@ -268,15 +276,7 @@ def rounds(engine, ids: list[int], context: int, sizes: tuple[int, ...]) -> list
         for _ in range(WARM_FIRST if i == 0 else WARM):
             timed_round(tree)
         passes[n] += [timed_round(tree) for _ in range(REPEATS)]
-    return [statistics.median(passes[n]) for n in sizes]
-
-
-def time_head_steps(drafter, engine, ids: list[int], widths: tuple[int, ...]) -> tuple[float, ...]:
-    """ms of one head step at each frontier width after `ids`: forward, draft scores and their top-k."""
-    engine.reset()
-    features = engine.prefill(ids).features  # the drafter asked for them: (context, F)
-    steps = drafter.frontier_steps(features[:-1], ids[1:], widths)  # pairs (f_t, x_{t+1})
-    return tuple(timed(engine.device, step) for step in steps)
+    return Rounds([statistics.median(passes[n]) for n in sizes], tuple(timed(engine.device, step) for step in steps[1:]))
 
 
 def time_draft(drafter, engine, ids: list[int], tree: TreeConfig) -> float:
