@@ -18,8 +18,8 @@ a forward reads them: from memory at long contexts), ms, 1 / 2 / 8 tokens: Lk 25
 2.60 row by row, 0.39 / 0.52 / 1.24 in blocks; Lk 1024 2.17 / 3.10 / 10.28 against 1.55 / 1.89 /
 4.86; Lk 2752 6.05 / 8.26 / 26.64 against 4.93 / 5.60 / 12.81. (Keys wholly transposed, (H, D, C),
 computed alike but read 64 strided streams: 8.59 / 9.64 / 16.83 at Lk 2752.) Values are read in
-bf16 where the cache keeps them so (kv.BlockedKVLayer: where they are bf16 values already): Lk 2752, 1 / 2 / 8 tokens 4.16 / 5.87 /
-13.28 -> 3.24 / 4.85 / 12.66 ms, the same bits.
+bf16 where the cache keeps them so (kv.BlockedKVLayer: where they are bf16 values already): Lk
+2752, 1 / 2 / 8 tokens 4.16 / 5.87 / 13.28 -> 3.24 / 4.85 / 12.66 ms, the same bits.
 """
 
 from collections.abc import Iterable
