@@ -154,12 +154,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, kv_out, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_out, config.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+    def keys_values(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, in) -> rotated keys and values (B, nkv, T, Dh), each row's from that row alone."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, Dh)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, Dh)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, Dh)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(k, cos, sin), v
+
+    def remember(self, x, cos, sin, cache: Cache) -> None:
+        """Write x's rows' keys and values into the cache at its length, attending to nothing."""
+        cache.update(*self.keys_values(x, cos, sin), 0)
+
+    def forward(self, x, cos, sin, mask: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2), cos, sin)  # (B, nh, T, Dh)
+        k, v = self.keys_values(x, cos, sin)                                                    # (B, nkv, T, Dh)
         if cache is not None:
             k, v = cache.update(k, v, 0)  # (B, nkv, C, Dh): the head's one layer is layer 0
         assert mask.is_floating_point() and mask.shape[-2] == T and mask.shape[-1] <= k.shape[2], \
@@ -226,9 +235,11 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def attention_input(self, emb, h) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # (1, T, 2H)
+
     def forward(self, emb, h, cos, sin, mask, cache) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # (1, T, 2H)
-        h = h + self.self_attn(x, cos, sin, mask, cache)
+        h = h + self.self_attn(self.attention_input(emb, h), cos, sin, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -260,6 +271,14 @@ class EagleHead(nn.Module):
         Returns the head's hidden state (1, T, H) for the token after token_ids."""
         raise NotImplementedError
 
+    def remember(self, features: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor,
+                 cache: Cache) -> None:
+        """Write these pairs' keys and values into `cache` (layer 0, at its length) as forward would,
+        without their outputs. The head is one decoder layer, so a pair's key and value are a
+        function of that pair alone; only attention mixes rows. A prompt's pairs, whose outputs
+        no draft reads, need nothing else: their attention, queries and MLP are skipped."""
+        raise NotImplementedError
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., Vd) logits over the draft vocabulary."""
         raise NotImplementedError
@@ -285,12 +304,18 @@ class Eagle1Head(EagleHead):
         return feature_layers("eagle1", num_target_layers)
 
     def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        cos, sin = self.rotary(position_ids)
+        return self.layers[0](self.layer_input(features, token_ids), cos, sin, attention_mask, cache)  # (1, T, H)
+
+    def remember(self, features, token_ids, position_ids, cache) -> None:
+        self.layers[0].self_attn.remember(self.layer_input(features, token_ids), *self.rotary(position_ids), cache)
+
+    def layer_input(self, features, token_ids) -> torch.Tensor:
+        """fc over [embedding of the token at t+1, feature at t]: (1, T, F), (1, T) -> (1, T, H)."""
         emb, features = self.target.embed(token_ids).to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)  # (1, T, H)
         if self.config.fc_norm:
             emb, features = self.fc_norm[0](emb), self.fc_norm[1](features)
-        h = self.fc(torch.cat([emb, features], dim=-1))                  # (1, T, 2H) -> (1, T, H)
-        cos, sin = self.rotary(position_ids)
-        return self.layers[0](h, cos, sin, attention_mask, cache)        # (1, T, H) next feature
+        return self.fc(torch.cat([emb, features], dim=-1))              # (1, T, 2H) -> (1, T, H)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # No norm: the head was trained to predict the target's post-norm feature. `hidden` must be
@@ -319,14 +344,22 @@ class Eagle3Head(EagleHead):
         return feature_layers("eagle3", num_target_layers)
 
     def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        cos, sin = self.rotary(position_ids)
+        return self.midlayer(*self.inputs(features, token_ids), cos, sin, attention_mask, cache)  # (1, T, H), pre-norm
+
+    def remember(self, features, token_ids, position_ids, cache) -> None:
+        x = self.midlayer.attention_input(*self.inputs(features, token_ids))
+        self.midlayer.self_attn.remember(x, *self.rotary(position_ids), cache)
+
+    def inputs(self, features, token_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, T, F), (1, T) -> the embedding of the token at t+1 and the fused feature at t, (1, T, H) each."""
         embed = self.embed_tokens if self.config.own_embedding else self.target.embed
         emb = embed(token_ids).to(self.fc.weight.dtype)  # (1, T, H)
         h = features.to(emb.dtype)                       # (1, T, F)
         if h.shape[-1] != self.config.hidden_size:       # fuse target features; own outputs go in as is
             assert h.shape[-1] == self.fc.in_features, f"feature width {h.shape[-1]}"
             h = self.fc(h)                               # (1, T, 3H) -> (1, T, H)
-        cos, sin = self.rotary(position_ids)
-        return self.midlayer(emb, h, cos, sin, attention_mask, cache)  # (1, T, H), pre-norm
+        return emb, h
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))  # (..., Vd)

@@ -70,6 +70,25 @@ def test_the_prefill_step_primes_the_head_on_the_prompt():
     assert answer == run(Engine(tiny_target(model)), prompt, SamplingConfig(max_new_tokens=20))
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_remembered_pairs_hold_what_a_catch_up_writes(kind):
+    """A prompt's pairs put in the head cache by `remember` (keys and values alone, no attention)
+    are the rows a full catch-up writes, bit for bit, and the next pair's draft is the same."""
+    model = tiny_llama(seed=7, layers=4)
+    head = random_head(model, kind, 8)
+    fed, kept = (EagleDrafter(head, 4, TreeConfig(1, 1, 2)) for _ in range(2))
+    g = torch.Generator().manual_seed(9)
+    features = torch.randn(30, fed.feature_widths[0], generator=g)                     # (K, F)
+    tokens = torch.randint(0, 256, (30,), generator=g).tolist()
+    fed.catch_up(features[:-1], tokens[:-1])
+    kept.remember(features[:-1], tokens[:-1])
+    assert fed.head_len == kept.head_len == 29
+    for a, b in zip(fed.step.cache.layers, kept.step.cache.layers):
+        assert torch.equal(a.keys[:, :, :29], b.keys[:, :, :29]) and torch.equal(a.values[:, :, :29], b.values[:, :, :29])
+    (out_fed, logp_fed), (out_kept, logp_kept) = (d.catch_up(features[-1:], tokens[-1:]) for d in (fed, kept))
+    assert torch.equal(out_fed, out_kept) and torch.equal(logp_fed, logp_kept)
+
+
 def test_reference_rounds_run_plainly_and_keep_the_head_in_step():
     """Every 4th answer's rounds 2 and 3 run plainly (the meter's reference): the text stays plain
     decoding's, and the head catches up on what it did not draft, within and across turns."""

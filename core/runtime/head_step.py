@@ -73,6 +73,16 @@ class HeadStep:
         out, logp = graph(features[None], tokens[None], positions[None], mask)
         return out[:T], logp[T - 1:T] if last_only else logp[:T]
 
+    @torch.inference_mode()
+    def remember(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past: int) -> None:
+        """Write T pairs' keys and values at head cache rows [past, past + T), eagerly, without
+        their outputs (a prompt's pairs: EagleHead.remember). features (T, F), tokens (T,), positions (T,)."""
+        T = features.shape[0]
+        if past + T > self.capacity:
+            raise ValueError(f"{T} pairs at row {past} overflow the head's {self.capacity}-row cache")
+        set_length(self.cache, past)
+        self.head.remember(features.to(self.dtype)[None], tokens[None], positions[None], self.cache)
+
     def forward(self, features, tokens, positions, mask, scored: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, T, F), (1, T), (1, T), (1, 1, T, Lk) -> outputs (T, H), log-probs (T, Vd) of all rows
         or of the `scored` ones. What a graph holds (all rows)."""
