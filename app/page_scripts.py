@@ -25,14 +25,28 @@ DRAW_SENT_ID = "aerie-draw-sent"   # the hidden button's elem_id (ui.py)
 DRAW_SENT = """(...inputs) => { document.getElementById(%s).click(); return inputs; }""" % json.dumps(DRAW_SENT_ID)
 
 
-def in_page(updates: tuple[dict, ...], passed: int = 0) -> dict[str, Any]:
-    """An event's keywords to run it in the browser alone: it returns its first `passed` inputs as
-    they are, then `updates` (gr.update dicts). Locking and unlocking the controls around an answer
-    so costs no round trip to the server: on the AMX Xeon such trips put 100-150 ms on every answer
-    in the page (50-70 ms before it could start, 80-110 ms between its last text and Send; 30-60 after)."""
+def in_page(updates: tuple[dict, ...], passed: int = 0, effect: str = "") -> dict[str, Any]:
+    """An event's keywords to run it in the browser alone: it runs the statement `effect`, then
+    returns its first `passed` inputs as they are, then `updates` (gr.update dicts). Locking and
+    unlocking the controls around an answer so costs no round trip to the server: on the AMX Xeon
+    such trips put 100-150 ms on every answer in the page (50-70 ms before it could start, 80-110
+    ms between its last text and Send; 30-60 after)."""
     args = ", ".join(f"x{i}" for i in range(passed))
-    return {"fn": None, "js": f"({args}) => [{args}{', ' if passed else ''}...{json.dumps(list(updates))}]",
-            "queue": False, "api_visibility": "private"}
+    returned = f"[{args}{', ' if passed else ''}...{json.dumps(list(updates))}]"
+    body = f"{{ {effect} return {returned}; }}" if effect else returned
+    return {"fn": None, "js": f"({args}) => {body}", "queue": False, "api_visibility": "private"}
+
+
+# The chat list is locked while an answer streams (the answer is written into the chat it started
+# in) by making it inert, no click, focus or key reaching it, rather than by Gradio updates of its
+# `interactive`: each such update redraws every option, and twice an answer, with 300 saved chats,
+# that cost Chromium ~40 ms of the cores a redraw beside the engine.
+CHATS_ID = "aerie-chats"
+
+
+def chats_inert(locked: bool) -> str:
+    """The statement that locks the chat list or frees it (for `in_page`'s effect)."""
+    return f"document.getElementById({json.dumps(CHATS_ID)}).inert = {json.dumps(locked)};"
 
 
 # Gradio 6's status tracker animates its timer with requestAnimationFrame until its event's status

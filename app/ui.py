@@ -19,7 +19,7 @@ from typing import Any
 import gradio as gr
 
 from app import chats, compare, handlers, model_panel, monitor, race, saved_settings
-from app.page_scripts import CONFIRM_DELETE, DRAW_SENT, DRAW_SENT_ID, SHOW_SENT, in_page
+from app.page_scripts import CHATS_ID, CONFIRM_DELETE, DRAW_SENT, DRAW_SENT_ID, SHOW_SENT, chats_inert, in_page
 from app.private import private_temp_dir
 from app.store import ChatStore
 from core.config import SamplingConfig
@@ -182,7 +182,7 @@ def _chats_panel() -> SimpleNamespace:
         with gr.Row():
             new = gr.Button("New chat", size="sm", scale=2, min_width=80)
             delete = gr.Button("Delete", size="sm", variant="stop", scale=1, min_width=60)
-        chat_list = gr.Radio([], value=None, show_label=False, container=False, elem_id="aerie-chats")
+        chat_list = gr.Radio([], value=None, show_label=False, container=False, elem_id=CHATS_ID)
         with gr.Row(equal_height=True):
             title = gr.Textbox(show_label=False, placeholder="Title of this chat", max_lines=1, scale=3,
                                container=False)
@@ -193,7 +193,7 @@ def _chats_panel() -> SimpleNamespace:
         exported = gr.File(label="Exported chat", visible=False, interactive=False)
     return SimpleNamespace(list=chat_list, new=new, title=title, rename=rename, export_json=export_json,
                            export_md=export_md, delete=delete, exported=exported,
-                           lock=[chat_list, new, delete])  # the order of chats.controls
+                           lock=[new, delete])  # the order of chats.controls; the list is made inert
 
 
 def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNamespace, answers: list) -> None:
@@ -220,14 +220,15 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
     # Send's locks come with the drawing of its message: listeners of one event run one after
     # another in the page, and Enter's first is respond, whose stream lasts the whole answer.
     gr.on([p.draw_sent.click, p.regen.click, p.ab.click, p.race.click], outputs=[*c.lock, p.monitor],
-          **in_page(locked))
+          **in_page(locked, effect=chats_inert(True)))
     respond, regenerate, ab, raced = answers
-    p.answered.change(outputs=[*c.lock, p.monitor], **in_page(idle))  # respond's and regenerate's last update
+    unlock = in_page(idle, effect=chats_inert(False))
+    p.answered.change(outputs=[*c.lock, p.monitor], **unlock)  # respond's and regenerate's last update
     for answer in (respond, regenerate):
-        answer.failure(outputs=[*c.lock, p.monitor], **in_page(idle))
+        answer.failure(outputs=[*c.lock, p.monitor], **unlock)
     for answer in (ab, raced):
-        answer.then(outputs=[*c.lock, p.monitor], **in_page(idle))
-    p.chatbot.clear(outputs=[*c.lock, p.monitor], **in_page(idle))  # Clear cancels the answer
+        answer.then(outputs=[*c.lock, p.monitor], **unlock)
+    p.chatbot.clear(outputs=[*c.lock, p.monitor], **unlock)  # Clear cancels the answer
     # Queued behind a running answer: the chat is redrawn from the store once it is saved.
     p.highlight.change(bind(chats.redraw, store), inputs=[c.list, p.highlight], outputs=p.chatbot,
                        concurrency_id=ENGINE, concurrency_limit=1, **private)

@@ -94,11 +94,14 @@ def test_stop_ends_a_long_answer_and_brings_send_back(page):
     page.locator("#aerie-input textarea").press("Enter")
     stop = button(page, "Stop")
     expect(stop).to_be_visible()
+    inert = "() => document.getElementById('aerie-chats').inert"
+    assert page.evaluate(inert), "the chat list can be used while an answer streams into the chat shown"
     page.wait_for_function("(from) => window.aerieSeen.slice(from).some(s => s.last.length > 150)", arg=mark)
     stop.click()
     page.wait_for_function(ANSWERED, arg=mark)
     expect(button(page, "Send")).to_be_visible()
     expect(button(page, "Send")).to_be_enabled()
+    assert not page.evaluate(inert)
     expect(stop).to_be_hidden()
     expect(page.locator("#aerie-stats")).to_contain_text("stopped")
     tokens, _ = stats(page)

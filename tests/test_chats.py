@@ -76,7 +76,18 @@ def test_answers_start_from_the_stored_chat_not_the_page(store):
                                             {"role": "assistant", "content": "A1 (other tab)"}]
     assert [m["content"] for m in stored(store, chat.id)] == ["Q1", "A1 (other tab)", "Q2", "A2"]
     assert text_rows(outputs[-1][0]) == stored(store, chat.id)
-    assert outputs[-1][2]["value"] == chat.id and outputs[-1][3] == gr.skip()  # an existing chat's title box stays
+    # The newest chat already: the page's list stays as it is, and an existing chat's title box too.
+    assert outputs[-1][2] == outputs[-1][3] == gr.skip()
+
+
+def test_an_older_chat_answered_moves_to_the_top_of_the_list(store):
+    older, newer = store.create_chat("older"), store.create_chat("newer")
+    store.sync(older.id, [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}])
+    store.sync(newer.id, [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}])
+    outputs = say(store, FakeService(words=("A2",)), older.id, "Q2")
+    listed = outputs[-1][2]
+    assert [c[1] for c in choices(listed)] == [older.id, newer.id] and listed["value"] == older.id
+    assert outputs[-1][3] == gr.skip()
 
 
 def test_an_empty_message_stores_nothing(store):
@@ -235,7 +246,7 @@ def test_switch_loads_the_picked_chat(store, toasts):
     a, b = store.create_chat("A"), store.create_chat("B")
     store.sync(a.id, [{"role": "user", "content": "in A"}, {"role": "assistant", "content": "reply A"}])
     chat_list, history, stats, title, _ = chats.switch(store, a.id)
-    assert chat_list["value"] == a.id and text_rows(history)[1] == {"role": "assistant", "content": "reply A"}
+    assert chat_list == gr.update(value=a.id) and text_rows(history)[1] == {"role": "assistant", "content": "reply A"}
     assert title == "A" and stats == ""
     store.delete(b.id)  # e.g. from another tab
     chat_list, history, _, title, _ = chats.switch(store, b.id)
@@ -246,7 +257,7 @@ def test_switch_loads_the_picked_chat(store, toasts):
 def test_new_chat_stores_nothing_until_the_first_message(store):
     old = store.create_chat("kept")
     chat_list, history, stats, title, _ = chats.new_chat(store)
-    assert chat_list["value"] is None and history == [] and title == ""
+    assert chat_list == gr.update(value=None) and history == [] and title == ""  # the list itself stays
     assert [c.id for c in store.chats()] == [old.id]
 
 

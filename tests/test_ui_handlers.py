@@ -262,7 +262,7 @@ def test_the_header_names_the_drafter_for_people(drafter, shown):
 def test_send_locks_the_controls_in_the_page():
     """Send locks the controls in the browser, the textbox emptied, Stop shown in place of Send."""
     import json
-    from app.page_scripts import in_page
+    from app.page_scripts import chats_inert, in_page
 
     updates = handlers.controls("answering", clear_textbox=True)
     textbox, send, stop, *_ = updates
@@ -274,6 +274,10 @@ def test_send_locks_the_controls_in_the_page():
     head, body = event["js"].split(" => ")
     assert head == "(x0)" and body.startswith("[x0, ...") and json.loads(body[len("[x0, ..."):-1]) == list(updates)
     assert in_page(updates)["js"].startswith("() => [...[")
+    # An effect runs first: the chat list is locked as an attribute, not redrawn by an update.
+    locking = in_page(updates, effect=chats_inert(True))["js"]
+    assert locking.startswith('() => { document.getElementById("aerie-chats").inert = true; return [...[')
+    assert chats_inert(False).endswith(".inert = false;")
 
 
 def test_build_ui_constructs_and_wires_the_request(tmp_path):
