@@ -81,14 +81,19 @@ def strategy_label(name: str) -> str:
     return STRATEGY_LABELS.get(name, name)
 
 
+def finished(chat: list[dict]) -> bool:
+    """Whether `chat` ends with an answer that has ended (its finish reason is known)."""
+    last = chat[-1] if chat else {}
+    return last.get("role") == "assistant" and bool((last.get("meta") or {}).get("finish"))
+
+
 def interrupted(chat: list[dict]) -> list[dict]:
     """`chat` with its last answer marked INTERRUPTED if it had not ended: the page went away
     while it streamed, and without a finish reason a reopened chat would show it as complete."""
     last = chat[-1] if chat else {}
-    meta = last.get("meta")
-    if last.get("role") != "assistant" or not meta or meta.get("finish"):
+    if last.get("role") != "assistant" or not last.get("meta") or finished(chat):
         return chat
-    return [*chat[:-1], {**last, "meta": {**meta, "finish": INTERRUPTED}}]
+    return [*chat[:-1], {**last, "meta": {**last["meta"], "finish": INTERRUPTED}}]
 
 
 def stats_of(meta: dict) -> ReplyStats | None:

@@ -144,32 +144,45 @@ def _listing(store: ChatStore, recorder: _Recorder) -> tuple[dict, Any] | None:
 
 def _recorded(store: ChatStore, recorder: _Recorder | None, stream: Iterator, highlight: bool) -> Iterator[tuple]:
     """The (chat, stats) updates of `stream`, each saved as it passes and shown as `answers.view`
-    (streaming: without the answer's stats row), then once the answer is done the last of them
-    again, its stats row under it (Gradio sends a stream's outputs as diffs)
-    with the chat list and title box (a new chat appears with its title, an old one moves to the
-    top; sent with the first update, their redraw in the browser took the engine's cores during
-    the prefill) and `answered` (the page unlocks its controls on it). Closed before the stream
-    ended, it saves the answer marked interrupted."""
+    (streaming: without the answer's stats row) until the one where the answer has ended, shown
+    whole (its stats row under it) with the chat list and title box (a new chat appears with its
+    title, an old one moves to the top; sent with the first update, their redraw in the browser took
+    the engine's cores during the prefill) and `answered` (the page unlocks its controls on it). That
+    last update leaves at once, not after the service's work behind the answer (the tuner's turn)
+    and not as a second copy of the text (one redraw fewer). A stream that ends otherwise (a failure,
+    no answer) gets its last update so after its end. Closed before that, it saves the answer
+    marked interrupted."""
     ended, shown, last = False, (gr.skip(), gr.skip()), None
     try:
         for chat, stats in stream:
+            if ended:
+                continue   # nothing follows an answer's end but the stream's own
             if isinstance(chat, list):
                 if recorder is not None:
                     recorder.offer(chat)
-                last, chat = chat, answers.view(chat, highlight, streaming=True)
+                last = chat
+                if answers.finished(chat):
+                    yield _done(store, recorder, answers.view(chat, highlight), stats)
+                    ended = True
+                    continue
+                chat = answers.view(chat, highlight, streaming=True)
             shown = chat, stats
             yield *shown, gr.skip(), gr.skip(), gr.skip()
-        if last is not None:   # ended: its stats row joins it
-            shown = answers.view(last, highlight), shown[1]
-        listing = _listing(store, recorder) if recorder is not None else None
-        yield *shown, *(listing or (gr.skip(), gr.skip())), answered()
-        ended = True
+        if not ended:
+            yield _done(store, recorder, answers.view(last, highlight) if last is not None else shown[0], shown[1])
+            ended = True
     finally:
         stream.close()  # a closed page: stop the engine first, then save what was shown
         if recorder is not None and not ended:  # Gradio closed this generator: page closed, reloaded or cleared
             recorder.interrupt()
         elif recorder is not None:
             recorder.flush()
+
+
+def _done(store: ChatStore, recorder: _Recorder | None, chat: Any, stats: Any) -> tuple:
+    """An answer's last update: (chat, stats, chat list, title box, answered)."""
+    listing = _listing(store, recorder) if recorder is not None else None
+    return chat, stats, *(listing or (gr.skip(), gr.skip())), answered()
 
 
 def answered() -> float:

@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from app import chats
+from app import chats, handlers
 from app.handlers import Cancels
 from app.store import ChatStore, StoreError
 from tests.fakes import SETTINGS, FakeService, session
@@ -64,6 +64,28 @@ def test_a_first_message_creates_the_chat_and_lists_it(store):
     assert isinstance(outputs[-1][4], float) and all(o[4] == gr.skip() for o in outputs[:-1])
     assert stored(store, chat.id) == text_rows(outputs[-1][0]) == [
         {"role": "user", "content": "Plan a trip to Lisbon"}, {"role": "assistant", "content": "Hello there, friend."}]
+
+
+def test_an_answers_end_is_shown_whole_at_once_before_the_service_is_done(store, monkeypatch):
+    """The update where the answer has ended carries its stats row, the list and `answered` (the
+    page unlocks on it) at once, not after the service's work behind the answer (the tuner's turn);
+    the store has it all once the stream is done."""
+    after: list[str] = []
+    respond = handlers.respond
+
+    def tracked(*args, **kwargs):   # the service's own end, after its last event
+        yield from respond(*args, **kwargs)
+        after.append("stream ended")
+    monkeypatch.setattr(handlers, "respond", tracked)
+    seen = []
+    for output in chats.respond(store, FakeService(), Cancels(), None, "Plan a trip", [], *SETTINGS, request=session()):
+        seen.append((output, list(after)))
+    (last, ended_then), *_ = seen[::-1]
+    assert isinstance(last[4], float) and ended_then == [] and after == ["stream ended"]
+    assert [m.get("metadata") is not None for m in last[0]] == [False, False, True]
+    assert all(not isinstance(o[4], float) for o, _ in seen[:-1])
+    (chat,) = store.chats()
+    assert stored(store, chat.id) == text_rows(last[0])
 
 
 def test_answers_start_from_the_stored_chat_not_the_page(store):
@@ -141,7 +163,7 @@ def test_a_killed_app_keeps_what_was_shown_before_the_last_save_interval(store, 
 
 CHILD = """
 import sys, time
-from app import chats
+from app import chats, handlers
 from app.handlers import Cancels
 from app.store import ChatStore
 from core.config import ReplyEvent, ReplyStats
