@@ -17,6 +17,7 @@ import torch
 from core.config import SamplingConfig, TreeConfig
 from core.engine import Engine
 from core.runtime.graphs import Precompiled, build, row_groups
+from core.runtime.kv import set_length
 from core.runtime.runner import RunnerConfig, TargetRunner
 from core.service.warmup import STORED, Pending, Warmup
 from core.spec.drafters import PromptLookupDrafter
@@ -111,6 +112,49 @@ def test_a_loaded_graph_refuses_inputs_it_was_not_compiled_for(model, folder):
                 graph(*bad)
     with pytest.raises(ValueError, match="precompiled for"):  # compiled with autograd off
         graph(ids, positions, mask)
+
+
+def test_a_loaded_graph_skips_dynamos_prologue_with_the_same_bits(model, folder):
+    """After its first call a loaded graph runs without dynamo's prologue (core/runtime/prologue.py):
+    the same outputs, bit for bit, as dynamo's own function on the same inputs, at other row counts
+    and mask widths than the recorded call's, for the target's verify and the head's step."""
+    runner, drafter = runner_and_drafter(model)
+    jobs = {j.name: j for j in runner.graph_jobs() + drafter.graph_jobs()}
+    for name, width in (("target-2-4", None), ("head-2-8x64", 64)):
+        job = jobs[name]
+        graph = Precompiled(folder / name, job)
+        calls = []
+        for rows, past in ((2, 0), (4, 70), (2, 130), (4, 0)):
+            ids, positions = torch.randint(0, 100, (1, rows)), torch.arange(past, past + rows)[None]
+            mask = runner.mask(torch.ones(rows, rows, dtype=torch.bool).tril(), past)   # (1, 1, rows, Lk)
+            calls.append((ids, positions, mask) if width is None else (torch.randn(1, rows, width), ids, positions, mask))
+        with torch.inference_mode():
+            assert graph.flat is None
+            for args in calls:
+                past = int(args[-2][0, 0])
+                set_length(graph.owner.cache, past)
+                ours = graph(*args)
+                set_length(graph.owner.cache, past)   # the same cache rows again
+                dynamos = graph.code(graph.owner, *args)
+                assert graph.flat is not None
+                for a, b in zip(ours, dynamos):
+                    assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_a_size_that_two_symbolic_sizes_held_is_not_learned():
+    """Where a call's T and Lk are equal, which one an int of the flat list is cannot be told:
+    nothing is learned (the next call records again). A fixed axis of the same value (the
+    features' width) is no candidate."""
+    from core.runtime.graphs import symbolic_sizes
+    from core.runtime.prologue import taught
+
+    sizes = symbolic_sizes(3, rows=True)   # features, ids, mask
+    features, ids = torch.zeros(1, 64, 64), torch.zeros(1, 64, dtype=torch.long)
+    flat, reason = taught(lambda *x: x, [64, ids], [ids], (features, ids, torch.zeros(1, 1, 64, 64)), (ids,), sizes)
+    assert flat is None and "more than one" in reason
+    features, ids, mask = torch.zeros(1, 2, 64), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1, 2, 64)
+    flat, reason = taught(lambda *x: x, [2, ids, 64, mask], [mask], (features, ids, mask), (mask, None), sizes)
+    assert flat is not None and flat.sizes_at == ((0, 0, 1), (2, 2, 3)) and flat.returns == (0, None), reason
 
 
 def test_the_warmup_adopts_what_the_child_reports_and_says_how_it_ended(model, folder):

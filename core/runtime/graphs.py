@@ -41,6 +41,9 @@ import torch
 import torch._inductor.config
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+from core.runtime.prologue import FlatCall, record
+
+RECORD_TRIES = 3      # calls a precompiled graph may record before it keeps dynamo's prologue (core/runtime/prologue.py)
 RECOMPILE_LIMIT = 64  # graphs on one code object: every bucket of every runner and head a model switch builds
 
 
@@ -162,6 +165,14 @@ def mark_rows(args: tuple, rows: tuple[int, ...]) -> None:
             torch._dynamo.mark_dynamic(t, 2 if i == len(args) - 1 else 1, min=rows[0], max=rows[-1])
 
 
+def symbolic_sizes(inputs: int, rows: bool) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The sizes a graph leaves symbolic (`mark_rows`), each as the (input, axis) pairs that hold
+    it: the mask's width, and with `rows` T."""
+    last = inputs - 1
+    width = ((last, 3),)
+    return (width, (*((i, 1) for i in range(last)), (last, 2))) if rows else (width,)
+
+
 def no_guards(entries) -> list[bool]:
     """Keep none of dynamo's guards: a precompiled graph is checked by `signature` (module docstring)."""
     return [False] * len(entries)
@@ -202,22 +213,34 @@ def precompile(job: GraphJob, folder: Path) -> Path:
 
 class Precompiled:
     """A graph `precompile` stored, loaded and called as the method it was compiled from, on this
-    process's own owner (runner or head step): its weights and cache, not the compiling process's."""
+    process's own owner (runner or head step): its weights and cache, not the compiling process's.
+    After its first call, without dynamo's prologue (core/runtime/prologue.py)."""
 
     def __init__(self, path: Path, job: GraphJob):
         with open(path, "rb") as f:
             self.code = torch.compiler.load_compiled_function(f)
         self.code.disable_guard_check()
-        self.rows = job.rows
+        self.rows, self.name = job.rows, job.name
         with torch.inference_mode():  # the state it is called in
             self.owner, self.signature = job.fn.__self__, signature(job.args, cuda=False, rows=True)
+        self.flat: FlatCall | None = None   # the graph without dynamo's prologue, once a call taught it
+        self.tries = RECORD_TRIES
 
     def __call__(self, *args):
         called = signature(args, cuda=False, rows=True)
         if called != self.signature or args[0].shape[1] not in self.rows:
             raise ValueError(f"a graph precompiled for inputs {self.signature} of {self.rows} rows was called with "
                              f"{called} of {args[0].shape[1]} rows")
-        return self.code(self.owner, *args)
+        if self.flat is not None:
+            return self.flat(*args)
+        if not self.tries:
+            return self.code(self.owner, *args)
+        recorded = record(self.code.fn, self.owner, args, symbolic_sizes(len(args), len(self.rows) > 1))
+        self.flat, self.tries = recorded.flat, self.tries - 1
+        if self.flat is None and not self.tries:
+            print(f"Aerie: the graph {self.name} keeps dynamo's prologue (~0.3 ms a verify more): {recorded.reason}",
+                  flush=True)
+        return recorded.result
 
 
 def build(jobs: Sequence[GraphJob], folder: Path, report=None, stored=None, adopt: bool = True) -> None:
