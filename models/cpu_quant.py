@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from models import q4_rows
+from models.fused import Part, fuse_shared_inputs
 from models.amx import pack as amx_pack
 from models.quants import CPU_QUANTS
 
@@ -163,8 +164,9 @@ class Int4Linear(nn.Module):
 def bf16_outputs(model: nn.Module, name: str) -> bool:
     """Whether every linear called `name` in `model` (each layer's v_proj, say) returns bf16 values:
     an Int4Linear or Int8Linear without a bias (their kernels round outputs to bf16; a bias is added
-    after, in fp32). False where there is no such linear (a fused projection)."""
-    found = [m for path, m in model.named_modules() if path.rsplit(".", 1)[-1] == name]
+    after, in fp32; a Part of a joined linear, models/fused.py, as that linear). False where there
+    is no such linear."""
+    found = [m.computed_by if isinstance(m, Part) else m for path, m in model.named_modules() if path.rsplit(".", 1)[-1] == name]
     return bool(found) and all(isinstance(m, (Int4Linear, Int8Linear)) and m.bias is None for m in found)
 
 
@@ -273,12 +275,15 @@ def quantized(linear: nn.Linear, quant: str, keep_weight: bool = False) -> nn.Mo
     return (Int4Linear if quant == "int4" else Int8Linear)(linear, keep_weight=keep_weight)
 
 
-def quantize_cpu(model: nn.Module, quant: str) -> None:
+def quantize_cpu(model: nn.Module, quant: str, join: bool = True) -> None:
     """Swap every nn.Linear in `model` (a causal LM's LM head included) for its int4 / int8 version,
-    in place. The LM head keeps `.weight`: EAGLE heads and drafters read it (tied to the embedding,
-    so no extra memory for models that tie them)."""
+    in place; with `join`, each layer's q/k/v and gate/up first become one linear each
+    (models/fused.py). The LM head keeps `.weight`: EAGLE heads and drafters read it (tied to the
+    embedding, so no extra memory for models that tie them)."""
     if quant not in (*CPU_QUANTS, "bf16", "q4_rows"):
         raise ValueError(f"CPU weights are one of {CPU_QUANTS}, q4_rows or bf16, not {quant!r}")
+    if join:
+        fuse_shared_inputs(model)
     get_lm_head = getattr(model, "get_output_embeddings", None)
     lm_head = get_lm_head() if get_lm_head is not None else None
     for module in list(model.modules()):

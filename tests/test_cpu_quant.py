@@ -16,7 +16,10 @@ from core.config import SamplingConfig
 from core.service.factory import load_tuned
 from core.service.spec import EngineSpec
 from core.tune.kernels import rows_alone
-from models.cpu_quant import GROUP, TWINS, Int4Linear, Int8Linear, bf16_terms, quantize_cpu, quantized
+from core.tune.kernels import load_kernel
+from models.cpu_quant import GROUP, TWINS, Int4Linear, Int8Linear, bf16_outputs, bf16_terms, quantize_cpu, quantized
+from models.fused import Part
+from models.native import NativeUnavailable
 from tests.conftest import ROOT_ASSETS, needs_onednn_bf16, tiny_llama
 
 HEAD = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-instruct"
@@ -109,6 +112,34 @@ def test_quantize_cpu_swaps_every_linear_and_keeps_the_lm_head_weight():
     assert model.get_output_embeddings().weight is head_weight
     with torch.inference_mode():
         assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+@pytest.mark.parametrize("quant", ["int4", "q4_rows", "int8"])
+def test_joined_projections_give_the_separate_ones_bits(quant, cache_dir):
+    """q/k/v and gate/up joined (models/fused.py) hold the codes and scales the separate linears
+    would and give their logits bit for bit, at 1 to 5 rows, forgetting each input once every part
+    has read it; a part read with another input computes it again."""
+    if quant == "q4_rows":
+        try:
+            load_kernel("rows", cache_dir)
+        except NativeUnavailable as e:
+            pytest.skip(f"no q4_rows kernel here: {e}")
+    joined, apart = tiny_llama(seed=3), tiny_llama(seed=3)
+    quantize_cpu(joined, quant)
+    quantize_cpu(apart, quant, join=False)
+    attention = joined.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, Part) and isinstance(joined.model.layers[1].mlp.up_proj, Part)
+    assert not any(isinstance(m, Part) for m in apart.modules())
+    assert bf16_outputs(joined, "v_proj") and bf16_outputs(apart, "v_proj")   # a part rounds as its joined linear
+    with torch.inference_mode():
+        for rows in (1, 2, 5):
+            ids = torch.randint(0, 256, (1, rows))
+            assert torch.equal(joined(input_ids=ids).logits, apart(input_ids=ids).logits), rows
+        assert attention.q_proj.joint.output is None                 # nothing held between forwards
+        x = torch.randn(2, 64)
+        q, k = attention.q_proj(x), attention.k_proj(x.clone())     # another input: computed again
+        assert torch.equal(q, apart.model.layers[0].self_attn.q_proj(x))
+        assert torch.equal(k, apart.model.layers[0].self_attn.k_proj(x))
 
 
 def test_embedded_model_int4_recovers_its_q4_1_blocks(embedded_target):

@@ -41,7 +41,7 @@ from models.native import NativeUnavailable
 from models.quants import CPU_QUANTS
 from models.target import LoadSpec, Target, load_resolved, resolve
 
-GRAPHS_VERSION = 5   # 4: inductor kernels single-threaded (core/runtime/graphs.py ONE_THREAD); 5: a C++ wrapper (CPP_WRAPPER)
+GRAPHS_VERSION = 6   # 4: inductor kernels single-threaded (core/runtime/graphs.py ONE_THREAD); 5: a C++ wrapper (CPP_WRAPPER); 6: joined q/k/v and gate/up (models/fused.py)
 
 
 @dataclass(frozen=True)

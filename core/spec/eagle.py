@@ -68,7 +68,7 @@ class EagleDrafter:
     def shrink(self, quant: str) -> None:
         """Small weights for drafting on a CPU: the head's fc and decoder layer and the draft
         vocabulary's rows, read once per head step. Drafts only: the target still verifies."""
-        quantize_cpu(self.head.layers, quant)
+        quantize_cpu(self.head.layers, quant, join=False)   # its `remember` reads k and v without q (models/fused.py)
         fc = self.head.fc   # keeps `.weight` (fp32, 2.6 MB here): the head reads its dtype from it
         self.head.fc = quantized(fc, quant, keep_weight=True)
         if self.vocab_head is not None:

@@ -50,7 +50,7 @@ WIN = 0.9                      # a kernel must save 10% to be chosen: timing noi
 # forced onto q4_rows a compiled 1-token verify took 5.33 ms against 8.13: plain decoding 125 vs 95 tokens/s.
 ROWS_ALONE_WIN = 1.05
 REPEATS = 3
-VERSION = 11   # 11: no prefill twin (a prompt reads on the verify buckets); 10: ROWS_ALONE_WIN
+VERSION = 12   # 12: the target's q/k/v and gate/up joined (models/fused.py); 11: no prefill twin (a prompt reads on the verify buckets); 10: ROWS_ALONE_WIN
 TARGET_ROWS = (1, 2, 4, 8, 16)   # verify sizes timed on each 4-bit kernel
 TILE_ROWS = (2, 4, 8, 16, 32, 64)   # sizes where q4_rows' tiled path may beat its register one
 KERNEL_NAMES = {"int4": "int4", "amx": "AMX 4-bit", "rows": "q4_rows"}

@@ -38,7 +38,7 @@ SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attent
 SHORT_CONTEXT, LONG_CONTEXT = 32, 2048
 REPEATS = 5
 WARM, WARM_FIRST = 2, 12
-VERSION = 19   # 19: the slopes at 2,048 tokens; 18: head steps' context slope; 17: a CPU's graphs run from a C++ wrapper (core/runtime/graphs.py CPP_WRAPPER), ~1 ms less a verify
+VERSION = 20   # 20: graphs without dynamo's prologue and the target's q/k/v and gate/up joined (models/fused.py); 19: the slopes at 2,048 tokens; 18: head steps' context slope; 17: a CPU's graphs run from a C++ wrapper (core/runtime/graphs.py CPP_WRAPPER), ~1 ms less a verify
 
 
 @dataclass(frozen=True)
