@@ -78,6 +78,8 @@ def record(fn: Callable, owner, args: tuple, sizes: tuple[Axes, ...]) -> Recorde
         result = fn(owner, *args)
     finally:
         fn.__globals__[names[0]] = graph
+    if not seen:
+        return Recorded(result, None, "the function did not call its graph")
     flat, reason = taught(graph, seen["flat"], seen["out"], args, result, sizes)
     return Recorded(result, flat, reason)
 
