@@ -197,3 +197,17 @@ def test_a_new_graphs_version_gets_a_new_folder(model, tmp_path, monkeypatch):
     assert factory.graph_folder(spec, engine, None) == first
     monkeypatch.setattr(factory, "GRAPHS_VERSION", factory.GRAPHS_VERSION + 1)
     assert factory.graph_folder(spec, engine, None) != first
+
+
+def test_a_latency_profile_is_keyed_by_the_graphs_and_kernel_rules_it_timed(monkeypatch):
+    """A new graphs or kernel-choice version times differently: the profile is measured again."""
+    import core.service.factory as factory
+    from core.tune.kernels import KernelChoice, TargetKernel
+
+    choice = KernelChoice(wide_from=None, largest=16, target=TargetKernel("rows"))
+    first = factory.timed_code(False, (1, 2, 4), (1, 2), choice, False)
+    assert factory.timed_code(False, (), (), None, False) == "default eager"
+    monkeypatch.setattr(factory, "GRAPHS_VERSION", factory.GRAPHS_VERSION + 1)
+    second = factory.timed_code(False, (1, 2, 4), (1, 2), choice, False)
+    monkeypatch.setattr(factory, "KERNELS_VERSION", factory.KERNELS_VERSION + 1)
+    assert len({first, second, factory.timed_code(False, (1, 2, 4), (1, 2), choice, False)}) == 3

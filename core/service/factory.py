@@ -25,9 +25,10 @@ from core.spec.drafters import PlainDrafter, PromptLookupDrafter
 from core.engine import Engine
 from core.runtime.runner import CPU_BUCKETS, RunnerConfig, TargetRunner
 from core.errors import UnsupportedModelError
-from core.tune.kernels import (WIDE_ROWS, KernelChoice, TargetKernel, TreeKernels, apply_target_kernel, apply_wide,
-                               cached_choice, choose_head_weights, choose_target_kernel, choose_wide_from, cpu_flags,
-                               head_weights_here, kernel_edges, machine_key, rows_alone, time_draft_steps, twin_fits)
+from core.tune.kernels import (VERSION as KERNELS_VERSION, WIDE_ROWS, KernelChoice, TargetKernel, TreeKernels,
+                               apply_target_kernel, apply_wide, cached_choice, choose_head_weights, choose_target_kernel,
+                               choose_wide_from, cpu_flags, head_weights_here, kernel_edges, machine_key, rows_alone,
+                               time_draft_steps, twin_fits)
 from core.tune.probe import Probe, load_nvml
 from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity, measure_profile,
                                profile_key, profile_mismatch)
@@ -162,20 +163,31 @@ def compile_graphs(staged: Staged, report=print) -> float:
     return time.perf_counter() - t0
 
 
+def timed_code(onednn: bool, graph_sizes: tuple[int, ...], head_sizes: tuple[int, ...], kernels: KernelChoice | None,
+               row_attention: bool) -> str:
+    """What a latency profile is timed on, for its key: a warm-up that failed part-way leaves some
+    buckets eager; and which code: graphs of another version, or a kernel choice made by other
+    rules, time differently (a profile of the old graphs steered the tuner after session 45's
+    change: 4.52 ms a token where the new graphs took ~4.0)."""
+    used = ("onednn" if onednn else "default") + (f" compiled {list(graph_sizes)} graphs v{GRAPHS_VERSION}"
+                                                  if graph_sizes else " eager")
+    if head_sizes:
+        used += f", head compiled {list(head_sizes)}"
+    if kernels is not None:
+        used += f", {kernels.describe()} (kernel choice v{KERNELS_VERSION})"
+    if row_attention:
+        used += f", row attention {attention.source_digest(cpu_flags())}"
+    return used
+
+
 def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> Loaded:
     """`staged` with its tuner: the latency profile of the engine as it runs now (cached per
     kernels), the prior from the head's training record, and the memory the trees may use."""
     spec, engine, drafters, target = staged.spec, staged.engine, staged.drafters, staged.engine.target
-    runner, kernels = engine.runner, staged.kernels
+    runner = engine.runner
     offloaded = staged.placement is not None and staged.placement.offload
-    # What the profile was timed on: a warm-up that failed part-way leaves some buckets eager.
-    used = ("onednn" if staged.onednn else "default") + (f" compiled {list(runner.graph_sizes)}" if runner.graph_sizes else " eager")
-    if "eagle" in drafters and drafters["eagle"].compiled_sizes:
-        used += f", head compiled {list(drafters['eagle'].compiled_sizes)}"
-    if kernels is not None:
-        used += f", {kernels.describe()}"
-    if runner.row_attention:
-        used += f", row attention {attention.source_digest(cpu_flags())}"
+    used = timed_code(staged.onednn, runner.graph_sizes, drafters["eagle"].compiled_sizes if "eagle" in drafters else (),
+                      staged.kernels, runner.row_attention)
     # A slow target (offloaded, or slowed on purpose) is SpecExec's regime: big best-first trees may
     # pay, so the profile also times large trees (those that fit half the context).
     slow = offloaded or spec.verify_delay_ms > 0
@@ -202,7 +214,7 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
     tuner = Tuner(profile, acceptance, pins, drafters, max_size=max_size, keep=keeper,
                   best_first=slow and "eagle" in drafters, tree_rivals=rivals, heard=recall_speeds(speeds),
                   keep_heard=functools.partial(keep_speeds, speeds))
-    return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, kernels)
+    return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, staged.kernels)
 
 
 def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None) -> Path:
