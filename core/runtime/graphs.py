@@ -156,21 +156,22 @@ def rows_label(rows: tuple[int, ...]) -> str:
     return f"{rows[0]}-" if len(rows) == 1 else f"{rows[0]}- to {rows[-1]}-"
 
 
-def mark_rows(args: tuple, rows: tuple[int, ...]) -> None:
-    """Leave every input's T symbolic within rows' range (axis 1; the mask's axis 2), and the
-    mask's width always."""
-    torch._dynamo.mark_dynamic(args[-1], 3)  # the mask's width: one graph whatever the chat's length
-    if len(rows) > 1:
-        for i, t in enumerate(args):
-            torch._dynamo.mark_dynamic(t, 2 if i == len(args) - 1 else 1, min=rows[0], max=rows[-1])
-
-
 def symbolic_sizes(inputs: int, rows: bool) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The sizes a graph leaves symbolic (`mark_rows`), each as the (input, axis) pairs that hold
-    it: the mask's width, and with `rows` T."""
+    """The sizes a graph leaves symbolic, each as the (input, axis) pairs that hold it: the mask's
+    width (the last input's axis 3), and with `rows` T (every input's axis 1, the mask's axis 2)."""
     last = inputs - 1
     width = ((last, 3),)
     return (width, (*((i, 1) for i in range(last)), (last, 2))) if rows else (width,)
+
+
+def mark_rows(args: tuple, rows: tuple[int, ...]) -> None:
+    """Leave the `symbolic_sizes` symbolic: the mask's width always (one graph whatever the chat's
+    length), T within rows' range where the graph serves several."""
+    width, *counts = symbolic_sizes(len(args), len(rows) > 1)
+    for i, axis in width:
+        torch._dynamo.mark_dynamic(args[i], axis)
+    for i, axis in (counts[0] if counts else ()):
+        torch._dynamo.mark_dynamic(args[i], axis, min=rows[0], max=rows[-1])
 
 
 def no_guards(entries) -> list[bool]:
