@@ -48,7 +48,6 @@ class Part(nn.Module):
     def __init__(self, joint: Joint, start: int, stop: int):
         super().__init__()
         self.joint, self.start, self.stop = joint, start, stop
-        self.in_features, self.out_features = joint.linear.in_features, stop - start
 
     @property
     def computed_by(self) -> nn.Module:
