@@ -46,6 +46,11 @@ def _compile(source: Path, flags: tuple[str, ...], out: Path) -> None:
 _loaded: set[str] = set()   # kernel names loaded in this process
 
 
+def loaded(name: str) -> bool:
+    """Whether this process has loaded the kernel `name` (`build`)."""
+    return name in _loaded
+
+
 def build(name: str, flags: tuple[str, ...], cache_dir: Path) -> bool:
     """Compile models/csrc/<name>.cpp with `flags` once into `cache_dir` and load its ops; -> whether
     this call loaded them (False: this process has them already; a process holds one build of a

@@ -35,7 +35,7 @@ from core.tune.latency import (LARGE_SIZES, SIZES, cached_profile, head_identity
 from core.tune.remembered import acceptance_path, keep, keep_speeds, recall, recall_speeds, speeds_path
 from core.tune.shapes import Pins, PositionalAcceptance, prior_table
 from core.tune.tuner import Tuner
-from models import attention, q4_rows
+from models import attention, q4_rows, top2
 from models.amx import source_digest as amx_source_digest
 from models.head_checkpoint import head_training_record
 from models.native import NativeUnavailable
@@ -108,6 +108,7 @@ def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec], list
 def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
     """The target, this CPU's kernel choice, the drafters and the engine, all eager."""
     target, onednn, placement = load_fast_target(spec, probe)
+    greedy_kernel(target, spec.cache_dir, report)
     strategy = resolved_strategy(spec)
     asked = spec.attention == "rows" and row_attention(target, spec.cache_dir, report)
     kernels = cpu_kernels(target, spec, strategy, report, asked) if target.quant in CPU_QUANTS else None
@@ -246,6 +247,17 @@ def row_attention(target: Target, cache_dir: Path, report=print) -> bool:
         report(f"Aerie: attention runs in fp64, 2-4x slower: its fp32 row kernel cannot be built here ({e}).")
         return False
     return True
+
+
+def greedy_kernel(target: Target, cache_dir: Path, report=print) -> None:
+    """A CPU target's one-pass argmax and margin for greedy acceptance (models/top2.py), built here
+    once per machine; where it cannot be, say why: torch's topk serves, ~0.1 ms a round slower."""
+    if target.device.type != "cpu":
+        return
+    try:
+        top2.load(cache_dir, cpu_flags())
+    except NativeUnavailable as e:
+        report(f"Aerie: greedy acceptance runs on torch's topk, ~0.1 ms a round slower: its kernel cannot be built here ({e}).")
 
 
 def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, rows: bool = False) -> KernelChoice:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from core.spec.sampling import sample
 from core.spec.tree import DraftTree, children
+from models import top2
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,22 @@ class Acceptance:
         return len(self.new_tokens) - 1
 
 
+def best_two(logits: Tensor) -> Tensor:
+    """logits (N, V) -> (N, 2) float64 on the host: each row's argmax and its top-1 minus top-2
+    logit, in one transfer (on a GPU accept's one wait). On a CPU with Aerie's one-pass kernel
+    built (models/top2.py, ~12 us for two rows of 49,152 logits), that; elsewhere torch's topk (~85
+    us on a CPU). Both pick the first maximal index (torch.argmax's rule) and give a repeated maximum
+    a margin of 0; plain decoding and speculation read the same one."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and top2.loaded():
+        return top2.best_two(logits)
+    top = logits.topk(2, dim=-1)
+    first = logits.argmax(-1, keepdim=True).double()   # topk leaves the order of equal values open
+    return torch.cat([first, (top.values[:, :1] - top.values[:, 1:]).double()], 1).cpu()
+
+
 def top2_margins(logits: Tensor) -> Tensor:
     """logits (k, V) -> (k,) float64 on the host: each row's top-1 minus top-2 logit."""
-    values = logits.topk(2, dim=-1).values
-    return (values[:, 0] - values[:, 1]).double().cpu()
+    return best_two(logits)[:, 1]
 
 
 def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
@@ -44,10 +57,8 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
     # emit its path plus argmax(row of that node), exactly what plain greedy decoding would emit.
     # The top two of each row in one transfer, the one host sync: the argmax decides, the margin
     # between them tells a near-tie (Engine.near_ties) without a second trip to the device.
-    top2 = target_logits.topk(2, dim=-1)                                             # (N, 2)
-    host = torch.cat([top2.indices[:, :1].double(), (top2.values[:, :1] - top2.values[:, 1:]).double()], 1)
-    host = host.to(tree.tokens.device)                                               # (N, 2) ids < 2^53: exact
-    target_next, margins = host[:, 0].long().tolist(), host[:, 1]
+    host = best_two(target_logits)                                                   # (N, 2) ids < 2^53: exact
+    target_next, margins = [int(row[0]) for row in host.tolist()], host[:, 1]
     # The rest on host lists (parents come before children): a few dozen nodes cost less in Python
     # than as tensor ops.
     tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
