@@ -104,13 +104,18 @@ def set_length(cache: Cache, length: int) -> None:
         layer.cumulative_length.fill_(length)
 
 
-def keep_rows(cache: Cache, start: int, rows: torch.Tensor) -> None:
-    """Move rows start+rows (ascending) to [start, start+len(rows)) and forget everything after."""
-    if rows.tolist() != list(range(len(rows))):  # kept rows already in place (plain, a chain): no copy
+def keep_rows(cache: Cache, start: int, rows: torch.Tensor, written: int | None = None) -> None:
+    """Move rows start+rows (ascending) to [start, start+len(rows)) and forget everything after.
+    written: how many rows the last forward wrote from `start`, where the length counters stand;
+    when it kept them all in place (plain decoding, a whole chain) the counters are right already
+    (a layer's counter each: 30 `fill_`s, ~40 us a round after a verify on the 2-core EPYC)."""
+    in_place = rows.tolist() == list(range(len(rows)))   # kept rows already in place (plain, a chain): no copy
+    if not in_place:
         source = rows.to(cache.layers[0].keys.device) + start
         for layer in cache.layers:
             layer.move_rows(source, start)
-    set_length(cache, start + len(rows))
+    if not (in_place and written == len(rows)):
+        set_length(cache, start + len(rows))
 
 
 def attended_rows(used: int, capacity: int, device: torch.device) -> int:

@@ -284,7 +284,7 @@ class TargetRunner:
     def commit(self, rows: torch.Tensor, tokens: list[int]) -> None:
         """Keep rows `rows` of the last verify (root first; their token ids `tokens`) at [L, L+a)."""
         start = self.verified_at
-        keep_rows(self.cache, start, rows)
+        keep_rows(self.cache, start, rows, written=self.length - start)
         self.ids = self.ids[:start] + list(tokens)
         self.length = start + len(rows)
 
