@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from models.native import CSRC, build, digest
+from models.native import CSRC, build, digest, widest_vectors
 
 NAME = "row_attention"
 MAX_ROWS = 64            # query tokens per call it serves: a verify's; longer prefills keep fp32 SDPA
@@ -43,9 +43,7 @@ def compiler_flags(cpu_flags: Iterable[str]) -> tuple[str, ...]:
     """The widest vectors this CPU has; no contraction by the compiler, which could fuse a multiply
     and an add in one instantiation and not another (a row computed alone or beside others): the
     kernel spells out its fused multiply-adds where the CPU has them."""
-    flags = set(cpu_flags)
-    wide = ("-mavx512f", "-mavx512vl") if "avx512f" in flags else ("-mavx2", "-mfma") if "avx2" in flags else ()
-    return (*wide, "-ffp-contract=off")
+    return (*widest_vectors(cpu_flags), "-ffp-contract=off")
 
 
 def source_digest(cpu_flags: Iterable[str]) -> str:

@@ -46,6 +46,13 @@ def _compile(source: Path, flags: tuple[str, ...], out: Path) -> None:
 _loaded: set[str] = set()   # kernel names loaded in this process
 
 
+def widest_vectors(cpu_flags) -> tuple[str, ...]:
+    """The compiler flags for this CPU's widest vectors (lanes.h sizes its vectors by them): AVX-512,
+    else AVX2 with FMA, else none (SSE)."""
+    flags = set(cpu_flags)
+    return ("-mavx512f", "-mavx512vl") if "avx512f" in flags else ("-mavx2", "-mfma") if "avx2" in flags else ()
+
+
 def loaded(name: str) -> bool:
     """Whether this process has loaded the kernel `name` (`build`)."""
     return name in _loaded

@@ -17,16 +17,10 @@ from models import native
 NAME = "top2"
 
 
-def compiler_flags(cpu_flags: Iterable[str]) -> tuple[str, ...]:
-    """The widest vectors this CPU has (comparisons and selects only: no rounding to choose)."""
-    flags = set(cpu_flags)
-    return ("-mavx512f", "-mavx512vl") if "avx512f" in flags else ("-mavx2",) if "avx2" in flags else ()
-
-
 def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_top2.best_two` available (built once into `cache_dir`, models/native.py);
     raises NativeUnavailable with the reason where it cannot be built."""
-    native.build(NAME, compiler_flags(cpu_flags), cache_dir)
+    native.build(NAME, native.widest_vectors(cpu_flags), cache_dir)   # comparisons and selects: no rounding to choose
 
 
 def loaded() -> bool:
