@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from models.native import CSRC, NativeUnavailable, build, digest
+from models.native import CSRC, Kernel, NativeUnavailable, build, digest
 
 NAME = "q41_amx"
 FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512bw")
@@ -34,6 +34,11 @@ class AmxUnavailable(NativeUnavailable):
 def source_digest() -> str:
     """What the compiled kernel depends on: its source, torch's version, its flags."""
     return digest(CSRC / f"{NAME}.cpp", COMPILER_FLAGS)
+
+
+def kernel(cpu_flags: Iterable[str]) -> Kernel | None:
+    """The kernel as this CPU builds it (models/native.py `build_all`); None where it lacks AMX."""
+    return Kernel(NAME, COMPILER_FLAGS) if set(FLAGS) <= set(cpu_flags) else None
 
 
 def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:

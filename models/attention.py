@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from models.native import CSRC, build, digest, widest_vectors
+from models.native import CSRC, Kernel, build, digest, widest_vectors
 
 NAME = "row_attention"
 MAX_ROWS = 64            # query tokens per call it serves: a verify's; longer prefills keep fp32 SDPA
@@ -44,6 +44,11 @@ def compiler_flags(cpu_flags: Iterable[str]) -> tuple[str, ...]:
     and an add in one instantiation and not another (a row computed alone or beside others): the
     kernel spells out its fused multiply-adds where the CPU has them."""
     return (*widest_vectors(cpu_flags), "-ffp-contract=off")
+
+
+def kernel(cpu_flags: Iterable[str]) -> Kernel:
+    """The kernel as this CPU builds it (models/native.py `build_all`)."""
+    return Kernel(NAME, compiler_flags(cpu_flags))
 
 
 def source_digest(cpu_flags: Iterable[str]) -> str:

@@ -7,8 +7,12 @@ so a changed kernel, torch or CPU builds anew and never loads a library built fo
 """
 
 import hashlib
+import os
 import subprocess
 import sys
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +22,13 @@ CSRC = Path(__file__).parent / "csrc"
 
 class NativeUnavailable(RuntimeError):
     """A kernel cannot be built or loaded here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One C++ file of models/csrc and the compiler flags its caller builds it with."""
+    name: str
+    flags: tuple[str, ...]
 
 
 def digest(source: Path, flags: tuple[str, ...]) -> str:
@@ -58,19 +69,44 @@ def loaded(name: str) -> bool:
     return name in _loaded
 
 
+def library(kernel: Kernel, cache_dir: Path) -> Path:
+    """Where `kernel` is built for this source, torch and flags."""
+    return Path(cache_dir) / "kernels" / f"{kernel.name}-{digest(CSRC / f'{kernel.name}.cpp', kernel.flags)}.so"
+
+
+def build_all(kernels: Iterable[Kernel], cache_dir: Path, report=print) -> None:
+    """Compile those of `kernels` not built yet into `cache_dir`, side by side: g++ uses one core,
+    so on two a first start's three kernels take about the longest one's time instead of their sum
+    (~50 s on a 2-core Zen 4). `build` then loads them; one that failed here is compiled again by
+    its `build`, which raises why. A kernel this process has loaded already is not built again."""
+    missing = [k for k in kernels if k.name not in _loaded and not library(k, cache_dir).is_file()]
+    if not missing or not sys.platform.startswith("linux"):
+        return
+    report(f"Aerie: building {', '.join(k.name for k in missing)} for this CPU (once; cached for later starts)...")
+
+    def compile_one(kernel: Kernel) -> None:
+        out = library(kernel, cache_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _compile(CSRC / f"{kernel.name}.cpp", kernel.flags, out)
+        except NativeUnavailable:
+            pass   # its build says why
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(compile_one, missing))
+
+
 def build(name: str, flags: tuple[str, ...], cache_dir: Path) -> bool:
     """Compile models/csrc/<name>.cpp with `flags` once into `cache_dir` and load its ops; -> whether
     this call loaded them (False: this process has them already; a process holds one build of a
     kernel, as torch registers an op namespace once). Raises NativeUnavailable."""
     if not sys.platform.startswith("linux"):
         raise NativeUnavailable("Aerie's C++ kernels are built for Linux only")
-    source = CSRC / f"{name}.cpp"
-    library = Path(cache_dir) / "kernels" / f"{name}-{digest(source, flags)}.so"
+    built = library(Kernel(name, flags), cache_dir)
     if name in _loaded:
         return False
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        _compile(source, flags, library)
-    torch.ops.load_library(str(library))
+    if not built.is_file():
+        built.parent.mkdir(parents=True, exist_ok=True)
+        _compile(CSRC / f"{name}.cpp", flags, built)
+    torch.ops.load_library(str(built))
     _loaded.add(name)
     return True

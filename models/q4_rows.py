@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from models.native import CSRC, build, digest
+from models.native import CSRC, Kernel, build, digest
 
 NAME = "q4_rows"
 NEVER = 1 << 30   # a `tiles_from` no call reaches (the op's default)
@@ -47,6 +47,11 @@ def compiler_flags(cpu_flags: Iterable[str]) -> tuple[str, ...]:
         return ("-mavx2", "-mfma") if "avx2" in flags else ()
     bf16 = ("-mavx512bw", "-mavx512bf16") if {"avx512_bf16", "avx512bw"} <= flags else ()
     return ("-mavx512f", "-mavx512vl", "-mfma", *bf16)
+
+
+def kernel(cpu_flags: Iterable[str]) -> Kernel:
+    """The kernel as this CPU builds it (models/native.py `build_all`)."""
+    return Kernel(NAME, compiler_flags(cpu_flags))
 
 
 def source_digest(cpu_flags: Iterable[str]) -> str:

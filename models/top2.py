@@ -17,10 +17,15 @@ from models import native
 NAME = "top2"
 
 
+def kernel(cpu_flags: Iterable[str]) -> native.Kernel:
+    """Built for the widest vectors: comparisons and selects, no rounding to choose."""
+    return native.Kernel(NAME, native.widest_vectors(cpu_flags))
+
+
 def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_top2.best_two` available (built once into `cache_dir`, models/native.py);
     raises NativeUnavailable with the reason where it cannot be built."""
-    native.build(NAME, native.widest_vectors(cpu_flags), cache_dir)   # comparisons and selects: no rounding to choose
+    native.build(NAME, kernel(cpu_flags).flags, cache_dir)
 
 
 def loaded() -> bool:

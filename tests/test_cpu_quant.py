@@ -230,6 +230,7 @@ def test_nf4_on_a_cpu_runs_eagerly_and_says_so(tiny_dir, tmp_path):
     lines = []
     staged = stage(EngineSpec(model=str(tiny_dir), quant="nf4", device="cpu", cache_dir=tmp_path), report=lines.append)
     assert staged.engine.target.quant == "nf4" and staged.graphs is None and not staged.engine.runner.wants_graphs
-    assert [line for line in lines if "nf4 runs eagerly" in line] and len(lines) == 1
+    said = [line for line in lines if not line.startswith("Aerie: building ")]   # a first start's kernels aside
+    assert [line for line in said if "nf4 runs eagerly" in line] and len(said) == 1
     steps = list(staged.engine.generate([5, 6, 7], SamplingConfig(max_new_tokens=6)))
     assert sum(len(s.new_ids) for s in steps) == 6

@@ -15,7 +15,8 @@
 #include <cstring>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>   // not ATen.h: every op's declaration costs each build seconds
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -29,7 +29,9 @@
 
 #include <immintrin.h>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>   // not ATen.h: every op's declaration costs each build seconds
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -13,7 +13,8 @@
 #include <cstring>
 #include <limits>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>   // not ATen.h: every op's declaration costs each build seconds
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 namespace {
