@@ -185,18 +185,18 @@ def serve(args: argparse.Namespace, service, store, key: str | None, private: Pa
     demo.block_thread()
 
 
-def compile_command(spec) -> list[str]:
-    """`launch.py compile` for the model of an EngineSpec: the child that compiles its graphs."""
+def compile_command(spec, graphs: list[str]) -> list[str]:
+    """`launch.py compile` for the model of an EngineSpec: a child that compiles the `graphs` named."""
     values = {"--model": spec.model, "--quant": spec.quant, "--device": spec.device, "--head": spec.head or "none",
               "--medusa": spec.medusa or "none",
               "--cache-dir": spec.cache_dir, "--strategy": spec.strategy, "--attention": spec.attention}
-    return [sys.executable, str(ROOT / "launch.py"), "compile",
+    return [sys.executable, str(ROOT / "launch.py"), "compile", "--graphs", ",".join(graphs),
             *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
             *(["--allow-pickle"] if spec.allow_pickle else []), *(["--kernel-mix"] if spec.kernel_mix else [])]
 
 
-def run_compile(args: argparse.Namespace) -> None:
-    """Precompile every graph of the model the arguments name that is not stored yet, printing a
+def run_compile(args: argparse.Namespace, graphs: set[str]) -> None:
+    """Precompile the `graphs` named of the model the arguments name, those not stored yet, printing a
     line per graph stored (core/service/warmup.py reads them). Niced: the chat beside it comes first."""
     from core.errors import AerieError
     from core.runtime.graphs import COMPILE_ERRORS, build
@@ -215,7 +215,7 @@ def run_compile(args: argparse.Namespace) -> None:
         staged = stage(engine_spec(args, head=args.head or None), report=lambda line: print(line, flush=True))
         if staged.graphs is None:
             fail("this model runs without compiled graphs here (a GPU, --no-compile, or fp32 on oneDNN).")
-        build(staged.missing(), staged.graphs, lambda line: print(f"Aerie: {line}", flush=True),
+        build([job for job in staged.missing() if job.name in graphs], staged.graphs, lambda line: print(f"Aerie: {line}", flush=True),
               lambda name, seconds: print(f"{STORED}{name} {seconds:.1f}", flush=True), adopt=False)
     except (AerieError, *COMPILE_ERRORS) as e:
         fail(f"compiling failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
@@ -371,10 +371,12 @@ def run_command(argv: list[str]) -> None:
         keep_compiled_code(args.cache_dir)
         run_bench(args)
         return
-    if argv[:1] == ["compile"]:
-        args = parse_args(argv[1:])
+    if argv[:1] == ["compile"]:   # --graphs A,B first: the app's own child (core/service/warmup.py)
+        if argv[1:2] != ["--graphs"] or len(argv) < 3:
+            fail("launch.py compile --graphs NAME[,NAME...] [the app's model arguments]: the app runs it itself")
+        args = parse_args(argv[3:])
         keep_compiled_code(args.cache_dir)
-        run_compile(args)
+        run_compile(args, set(argv[2].split(",")))
         return
     if argv[:1] == ["train"]:
         run_train(parse_train_args(argv[1:]))

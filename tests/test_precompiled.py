@@ -9,6 +9,7 @@ the warm-up adopts each graph a child reports, and reports the child's exit.
 
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -157,22 +158,23 @@ def test_a_size_that_two_symbolic_sizes_held_is_not_learned():
     assert flat is not None and flat.sizes_at == ((0, 0, 1), (2, 2, 3)) and flat.returns == (0, None), reason
 
 
-def test_the_warmup_adopts_what_the_child_reports_and_says_how_it_ended(model, folder):
-    """A stand-in child that reports the two target graphs, then fails: each is adopted at the next
-    `adopt_ready` (between rounds), and the exit code and last words reach `on_exit`."""
+def test_the_warmup_adopts_what_the_children_report_and_says_how_they_ended(model, folder):
+    """Two stand-in children, a target graph each: one reports its graph, then fails; the other
+    reports its own later and succeeds. Each graph is adopted at the next `adopt_ready` (between
+    rounds), and `on_exit` is called once, after both, with the failure's code and last words."""
     runner, _ = runner_and_drafter(model)
     staged = SimpleNamespace(graphs=folder)
-    script = (f"import time; print('{STORED}target-1 0.1', flush=True); time.sleep(0.3); "
-              f"print('{STORED}target-2-4 0.1', flush=True); print('Aerie: no C++ compiler'); raise SystemExit(3)")
+    failing = f"print('{STORED}target-1 0.1', flush=True); print('Aerie: no C++ compiler'); raise SystemExit(3)"
+    later = f"import time; time.sleep(0.5); print('{STORED}target-2-4 0.1', flush=True)"
     ended = threading.Event()
     results = []
-    warmup = Warmup(Pending(staged, runner.graph_jobs(), [sys.executable, "-c", script]),
+    warmup = Warmup(Pending(staged, runner.graph_jobs(), [[sys.executable, "-c", failing], [sys.executable, "-c", later]]),
                     lambda w, rc: (results.append(rc), ended.set()))
     assert "compiling graph 1 of 2" in warmup.status
     assert ended.wait(30)
+    time.sleep(0.2)   # a second call would come about now
     assert results == [3] and "no C++ compiler" in warmup.failure
     assert warmup.adopt_ready() == 2 and runner.compiled and warmup.adopt_ready() == 0
-
 
 
 def test_buckets_share_graphs_except_one_and_across_kernel_edges():
