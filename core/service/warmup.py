@@ -31,7 +31,7 @@ STORED = "aerie-compiled "   # the child's line for each graph it stored: STORED
 @dataclass(frozen=True)
 class Pending:
     """What a warm-up needs: the staged engine (core/service/factory.py), the graphs it lacks and
-    the children's commands, each compiling its share of them (`launch.py compile --part`). Made on
+    the children's commands, each compiling its share of them (`launch.py compile --graphs`). Made on
     the torch worker: a job's example inputs are tensors, and a tensor op on another thread (the
     app's main one) gives that thread an OpenMP team of its own, which halved the worker's speed
     for the life of the process (plain decoding 30-37 vs 63-81 tok/s)."""
