@@ -86,6 +86,14 @@ def load_tuned(spec: EngineSpec, probe: Probe | None = None, report=print) -> Lo
     return tune(staged, probe, compile_graphs(staged, report))
 
 
+# Children compiling a first start's graphs side by side, each its share (the missing graphs dealt
+# in turn, the target's 1-token verify first): a graph's compile is mostly one core's Python and one
+# g++, so on two cores two children compiled the embedded model's four graphs in 80 s against 128 s
+# for one, and the tuner started 115 s after the page opened against 152 s (2-core Zen 4, a quiet
+# host, fresh caches). More would add copies of the model for cores the chat needs.
+COMPILE_CHILDREN = 2
+
+
 def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec, list[str]], list[str]],
                   probe: Probe | None = None, report=print) -> Loaded:
     """As load_tuned, except that on a CPU the graphs no earlier start stored are left to child
@@ -106,14 +114,6 @@ def load_for_chat(spec: EngineSpec, compile_command: Callable[[EngineSpec, list[
     children = max(1, min(COMPILE_CHILDREN, len(names), os.cpu_count() or 1, int(free // (1.5 * need))))
     return Loaded(staged.engine, None, staged.placement, staged.onednn, False, 0.0, staged.kernels,
                   Pending(staged, missing, [compile_command(spec, names[i::children]) for i in range(children)]))
-
-
-# Children compiling a first start's graphs side by side, each its share (the missing graphs dealt
-# in turn, the target's 1-token verify first): a graph's compile is mostly one core's Python and one
-# g++, so on two cores two children compiled the embedded model's four graphs in 80 s against 128 s
-# for one, and the tuner started 115 s after the page opened against 152 s (2-core Zen 4, a quiet
-# host, fresh caches). More would add copies of the model for cores the chat needs.
-COMPILE_CHILDREN = 2
 
 
 def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
