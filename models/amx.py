@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from models.native import CSRC, Kernel, NativeUnavailable, build, digest
+from models.native import Kernel, NativeUnavailable, build
 
 NAME = "q41_amx"
 FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512bw")
 COMPILER_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx512vl")
+KERNEL = Kernel(NAME, COMPILER_FLAGS)   # the same build on every CPU that has FLAGS
 
 
 class AmxUnavailable(NativeUnavailable):
@@ -33,12 +34,18 @@ class AmxUnavailable(NativeUnavailable):
 
 def source_digest() -> str:
     """What the compiled kernel depends on: its source, torch's version, its flags."""
-    return digest(CSRC / f"{NAME}.cpp", COMPILER_FLAGS)
+    return KERNEL.source_digest()
+
+
+def lacking(cpu_flags: Iterable[str]) -> list[str]:
+    """The FLAGS this CPU lacks."""
+    have = set(cpu_flags)
+    return [f for f in FLAGS if f not in have]
 
 
 def kernel(cpu_flags: Iterable[str]) -> Kernel | None:
     """The kernel as this CPU builds it (models/native.py `build_all`); None where it lacks AMX."""
-    return Kernel(NAME, COMPILER_FLAGS) if set(FLAGS) <= set(cpu_flags) else None
+    return None if lacking(cpu_flags) else KERNEL
 
 
 def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
@@ -46,11 +53,11 @@ def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     (models/native.py), then load it. `cpu_flags`: the CPU's, as /proc/cpuinfo lists them. Raises
     AmxUnavailable with the reason where the CPU lacks AMX, the platform is not Linux, or
     compiling fails."""
-    missing = [f for f in FLAGS if f not in set(cpu_flags)]
+    missing = lacking(cpu_flags)
     if missing:
         raise AmxUnavailable(f"this CPU lacks {', '.join(missing)}")
     try:
-        first = build(NAME, COMPILER_FLAGS, cache_dir)
+        first = build(KERNEL, cache_dir)
     except NativeUnavailable as e:
         raise AmxUnavailable(str(e)) from e
     if first:  # the op's shape rule, for compiled graphs

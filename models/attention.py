@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from models.native import CSRC, Kernel, build, digest, widest_vectors
+from models.native import Kernel, build, widest_vectors
 
 NAME = "row_attention"
 MAX_ROWS = 64            # query tokens per call it serves: a verify's; longer prefills keep fp32 SDPA
@@ -53,13 +53,13 @@ def kernel(cpu_flags: Iterable[str]) -> Kernel:
 
 def source_digest(cpu_flags: Iterable[str]) -> str:
     """What the kernel built for this CPU depends on (models/native.py `digest`)."""
-    return digest(CSRC / f"{NAME}.cpp", compiler_flags(cpu_flags))
+    return kernel(cpu_flags).source_digest()
 
 
 def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_attn.attend` available (built once into `cache_dir`, models/native.py);
     raises NativeUnavailable with the reason where it cannot be built."""
-    if build(NAME, compiler_flags(cpu_flags), cache_dir):
+    if build(kernel(cpu_flags), cache_dir):
         torch.library.register_fake("aerie_attn::attend", lambda q, k, v, mask, scale: torch.empty_like(q))
 
 

@@ -30,6 +30,11 @@ class Kernel:
     name: str
     flags: tuple[str, ...]
 
+    def source_digest(self) -> str:
+        """What its build depends on (`digest`): part of its library's name and of the cache keys
+        of what was timed with it."""
+        return digest(CSRC / f"{self.name}.cpp", self.flags)
+
 
 def digest(source: Path, flags: tuple[str, ...]) -> str:
     """What a built kernel depends on: its source and the headers beside it, torch's version and
@@ -71,7 +76,7 @@ def loaded(name: str) -> bool:
 
 def library(kernel: Kernel, cache_dir: Path) -> Path:
     """Where `kernel` is built for this source, torch and flags."""
-    return Path(cache_dir) / "kernels" / f"{kernel.name}-{digest(CSRC / f'{kernel.name}.cpp', kernel.flags)}.so"
+    return Path(cache_dir) / "kernels" / f"{kernel.name}-{kernel.source_digest()}.so"
 
 
 def build_all(kernels: Iterable[Kernel], cache_dir: Path, report=print) -> None:
@@ -95,18 +100,18 @@ def build_all(kernels: Iterable[Kernel], cache_dir: Path, report=print) -> None:
         list(pool.map(compile_one, missing))
 
 
-def build(name: str, flags: tuple[str, ...], cache_dir: Path) -> bool:
-    """Compile models/csrc/<name>.cpp with `flags` once into `cache_dir` and load its ops; -> whether
-    this call loaded them (False: this process has them already; a process holds one build of a
-    kernel, as torch registers an op namespace once). Raises NativeUnavailable."""
+def build(kernel: Kernel, cache_dir: Path) -> bool:
+    """Compile `kernel` once into `cache_dir` and load its ops; -> whether this call loaded them
+    (False: this process has them already; a process holds one build of a kernel, as torch
+    registers an op namespace once). Raises NativeUnavailable."""
     if not sys.platform.startswith("linux"):
         raise NativeUnavailable("Aerie's C++ kernels are built for Linux only")
-    built = library(Kernel(name, flags), cache_dir)
-    if name in _loaded:
+    if kernel.name in _loaded:
         return False
+    built = library(kernel, cache_dir)
     if not built.is_file():
         built.parent.mkdir(parents=True, exist_ok=True)
-        _compile(CSRC / f"{name}.cpp", flags, built)
+        _compile(CSRC / f"{kernel.name}.cpp", kernel.flags, built)
     torch.ops.load_library(str(built))
-    _loaded.add(name)
+    _loaded.add(kernel.name)
     return True

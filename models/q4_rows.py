@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from models.native import CSRC, Kernel, build, digest
+from models.native import Kernel, build
 
 NAME = "q4_rows"
 NEVER = 1 << 30   # a `tiles_from` no call reaches (the op's default)
@@ -56,13 +56,13 @@ def kernel(cpu_flags: Iterable[str]) -> Kernel:
 
 def source_digest(cpu_flags: Iterable[str]) -> str:
     """What the kernel built for this CPU depends on (models/native.py `digest`)."""
-    return digest(CSRC / f"{NAME}.cpp", compiler_flags(cpu_flags))
+    return kernel(cpu_flags).source_digest()
 
 
 def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_q4` available (built once into `cache_dir`); raises NativeUnavailable
     with the reason where it cannot be built."""
-    if build(NAME, compiler_flags(cpu_flags), cache_dir):
+    if build(kernel(cpu_flags), cache_dir):
         torch.library.register_fake("aerie_q4::mm", lambda x, packed, n, tiles_from=NEVER: x.new_empty(x.shape[0], n, dtype=torch.float32))
 
 

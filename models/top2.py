@@ -25,7 +25,7 @@ def kernel(cpu_flags: Iterable[str]) -> native.Kernel:
 def load(cache_dir: Path, cpu_flags: Iterable[str]) -> None:
     """Make `torch.ops.aerie_top2.best_two` available (built once into `cache_dir`, models/native.py);
     raises NativeUnavailable with the reason where it cannot be built."""
-    native.build(NAME, kernel(cpu_flags).flags, cache_dir)
+    native.build(kernel(cpu_flags), cache_dir)
 
 
 def loaded() -> bool:

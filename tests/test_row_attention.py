@@ -127,7 +127,7 @@ def test_bad_inputs_are_refused_with_the_reason():
 def test_a_second_cache_folder_in_one_process_loads_nothing_twice(tmp_path):
     """torch registers an op namespace once per process: a second library of the same kernel from
     another folder would abort the process inside dlopen (CI, issue 17), so none is loaded."""
-    assert native.build(attention.NAME, attention.compiler_flags(cpu_flags()), tmp_path) is False
+    assert native.build(attention.kernel(cpu_flags()), tmp_path) is False
     attention.load(tmp_path, cpu_flags())
     assert not (tmp_path / "kernels").exists()
 
