@@ -198,11 +198,18 @@ class ChatStore:
         return [(row_id, Message(role, content, created, None if meta is None else json.loads(meta)))
                 for row_id, role, content, created, meta in rows]
 
-    def chats(self) -> list[ChatInfo]:
-        """Every chat, the most recently updated first."""
+    def chats(self, limit: int | None = None, containing: str = "") -> list[ChatInfo]:
+        """The chats, the most recently updated first: at most `limit` (None: all); with
+        `containing`, only those whose title or a message holds it (case-insensitive for ASCII)."""
+        where, args = "", [UNTITLED]
+        if containing:
+            pattern = "%" + containing.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where = (" WHERE COALESCE(title, ?) LIKE ? ESCAPE '\\' OR id IN "
+                     "(SELECT chat_id FROM messages WHERE content LIKE ? ESCAPE '\\')")
+            args += [UNTITLED, pattern, pattern]
         with self._transaction() as con:
-            rows = con.execute("SELECT id, COALESCE(title, ?), created, updated FROM chats "
-                               "ORDER BY updated DESC, id DESC", (UNTITLED,)).fetchall()
+            rows = con.execute("SELECT id, COALESCE(title, ?), created, updated FROM chats" + where +
+                               " ORDER BY updated DESC, id DESC LIMIT ?", (*args, -1 if limit is None else limit)).fetchall()
         return [ChatInfo(*row) for row in rows]
 
     def chat(self, chat_id: int) -> ChatInfo:

@@ -75,16 +75,16 @@ def launch_options() -> dict[str, Any]:
     return {"css": CSS_PATH.read_text(encoding="utf-8"), "theme": theme, "run_history": False}
 
 
-def bind(fn: Callable, *deps: Any) -> Callable:
-    """functools.partial(fn, *deps) as a plain function: Gradio reads the type hints that ask
-    for a gr.Request only from plain functions, and a partial object hides them."""
+def bind(fn: Callable, *deps: Any, **named: Any) -> Callable:
+    """functools.partial(fn, *deps, **named) as a plain function: Gradio reads the type hints
+    that ask for a gr.Request only from plain functions, and a partial object hides them."""
     if inspect.isgeneratorfunction(fn):
         def bound(*args):
-            yield from fn(*deps, *args)
+            yield from fn(*deps, *args, **named)
     else:
         def bound(*args):
-            return fn(*deps, *args)
-    params = list(inspect.signature(fn).parameters.values())[len(deps):]
+            return fn(*deps, *args, **named)
+    params = [p for p in list(inspect.signature(fn).parameters.values())[len(deps):] if p.name not in named]
     hints = typing.get_type_hints(fn)
     bound.__signature__ = inspect.Signature(params)
     bound.__annotations__ = {p.name: hints[p.name] for p in params if p.name in hints}
@@ -182,6 +182,8 @@ def _chats_panel() -> SimpleNamespace:
         with gr.Row():
             new = gr.Button("New chat", size="sm", scale=2, min_width=80)
             delete = gr.Button("Delete", size="sm", variant="stop", scale=1, min_width=60)
+        find = gr.Textbox(show_label=False, placeholder="Find a chat", max_lines=1, container=False,
+                          elem_id="aerie-find")
         chat_list = gr.Radio([], value=None, show_label=False, container=False, elem_id=CHATS_ID)
         with gr.Row(equal_height=True):
             title = gr.Textbox(show_label=False, placeholder="Title of this chat", max_lines=1, scale=3,
@@ -191,7 +193,7 @@ def _chats_panel() -> SimpleNamespace:
             export_json = gr.Button("Export .json", size="sm", min_width=80)
             export_md = gr.Button("Export .md", size="sm", min_width=80)
         exported = gr.File(label="Exported chat", visible=False, interactive=False)
-    return SimpleNamespace(list=chat_list, new=new, title=title, rename=rename, export_json=export_json,
+    return SimpleNamespace(list=chat_list, find=find, finds=chats.Finds(), new=new, title=title, rename=rename, export_json=export_json,
                            export_md=export_md, delete=delete, exported=exported,
                            lock=[new, delete])  # the order of chats.controls; the list is made inert
 
@@ -207,9 +209,12 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
     c.list.input(bind(chats.switch, store), inputs=[c.list, p.highlight], outputs=view, **private)
     # The chatbot's trash button starts a new chat too: the cleared one stays in the list.
     gr.on([c.new.click, p.chatbot.clear], bind(chats.new_chat, store), outputs=view, **private)
-    gr.on([c.rename.click, c.title.submit], bind(chats.rename, store), inputs=[c.list, c.title],
+    # The list holds the most recent chats (chats.LISTED); Find lists others, as each key is typed.
+    c.find.input(bind(chats.find, store, c.finds), inputs=[c.find, c.list], outputs=c.list, trigger_mode="always_last",
+                 **private)
+    gr.on([c.rename.click, c.title.submit], bind(chats.rename, store, finds=c.finds), inputs=[c.list, c.title],
           outputs=[c.list, c.title], **private)
-    c.delete.click(bind(chats.delete, store), inputs=[c.list, p.highlight], outputs=view, js=CONFIRM_DELETE,
+    c.delete.click(bind(chats.delete, store, finds=c.finds), inputs=[c.list, p.highlight], outputs=view, js=CONFIRM_DELETE,
                    **private)
     c.export_json.click(bind(chats.export, store, exports, "json"), inputs=c.list, outputs=c.exported, **private)
     c.export_md.click(bind(chats.export, store, exports, "markdown"), inputs=c.list, outputs=c.exported, **private)
@@ -256,12 +261,12 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
     p.draw_sent.click(inputs=[p.textbox, p.chatbot], outputs=[p.chatbot, p.stats, *lock], fn=None,
                       js=SHOW_SENT % json.dumps(list(handlers.controls("answering", clear_textbox=True))),
                       queue=False, api_visibility="private")
-    respond = gr.on([p.textbox.submit, p.send.click], bind(chats.respond, store, service, cancels),
+    respond = gr.on([p.textbox.submit, p.send.click], bind(chats.respond, store, service, cancels, finds=p.chats.finds),
                     inputs=[p.chats.list, p.textbox, p.chatbot, *p.settings, p.highlight], js=DRAW_SENT,
                     api_name="respond", **saved)
     respond.failure(outputs=lock, **unlock)
     regenerate = p.regen.click(outputs=lock, **locking).then(
-        bind(chats.regenerate, store, service, cancels), inputs=[p.chats.list, p.chatbot, *p.settings, p.highlight],
+        bind(chats.regenerate, store, service, cancels, finds=p.chats.finds), inputs=[p.chats.list, p.chatbot, *p.settings, p.highlight],
         api_name="regenerate", **saved)
     regenerate.failure(outputs=lock, **unlock)
     ab = p.ab.click(outputs=lock, **locking).then(

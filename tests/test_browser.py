@@ -13,6 +13,7 @@ import time
 import pytest
 
 from core.config import DRAFTERS, STRATEGY_LABELS
+from app.chats import LISTED
 from app.store import ChatStore
 from app.ui import MONITOR_S
 from tests.browser import (ANSWERED, CHROMIUM, SCREENSHOT, SEE_MS, STATS, VIEWPORT, act, answers, ask, button, expect,
@@ -275,3 +276,23 @@ def test_the_idle_page_asks_for_a_few_frames_a_second_not_sixty(browser, server)
     finally:
         context.close()
     assert asked <= 45, f"the idle page asked for {asked} frames in 3 s"
+
+
+def test_find_opens_a_chat_older_than_the_list_holds(page, server):
+    """The list holds the most recent chats (chats.LISTED, so that each list sent costs the page
+    little however many are saved); Find lists an older one by a word of its messages, and
+    picking it shows it. The module's last test: it leaves LISTED chats newer than the others'."""
+    _, store = server
+    old = store.create_chat("Birds")
+    store.sync(old.id, [{"role": "user", "content": "Tell me about herons"}, {"role": "assistant", "content": "Herons wade."}])
+    for i in range(LISTED):
+        store.create_chat(f"Filler {i}")
+    open_page(page, server, reload=True)
+    chats = page.locator("#aerie-chats label")
+    expect(chats).to_have_count(LISTED)
+    expect(chats.filter(has_text="Birds")).to_have_count(0)
+    page.locator("#aerie-find input, #aerie-find textarea").press_sequentially("HERONS")   # typed: a fill sends no input event
+    expect(chats).to_have_text([f"Filler {LISTED - 1}", "Birds"])   # the chat shown stays listed
+    chats.filter(has_text="Birds").click()
+    expect(questions(page)).to_have_text(["Tell me about herons"])
+    expect(shown_chat(page)).to_have_text("Birds")

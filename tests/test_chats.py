@@ -264,6 +264,32 @@ def test_open_latest_shows_the_most_recently_changed_chat(store):
     assert text_rows(history) == [{"role": "user", "content": "older, but touched last"}] and title == "older, but touched last"
 
 
+def test_the_list_holds_the_most_recent_chats_and_find_lists_others(store, monkeypatch):
+    """The list holds chats.LISTED chats and always the one shown; Find lists the chats whose
+    title or messages hold its text, and every list later sent to that page (an answer's end, a
+    rename) lists what it finds, until the box is empty again."""
+    monkeypatch.setattr(chats, "LISTED", 3)
+    made = [store.create_chat(f"chat {i}") for i in range(5)]
+    for i, chat in enumerate(made):
+        store.sync(chat.id, [{"role": "user", "content": f"question {i}" + (" about owls" if i < 2 else "")}])
+    ids = [c.id for c in made]
+    chat_list = chats.open_latest(store)[0]
+    assert [c[1] for c in choices(chat_list)] == ids[:1:-1] and chat_list["value"] == ids[4]
+    finds, page = chats.Finds(), session("page")
+    found = chats.find(store, finds, " OWLS ", ids[4], request=page)
+    assert [c[1] for c in choices(found)] == [ids[4], ids[1], ids[0]] and found["value"] == ids[4]  # the shown chat kept
+    assert [c[1] for c in choices(chats.find(store, finds, "owls", None, request=page))] == [ids[1], ids[0]]
+    assert finds.text(session("another page")) == ""
+    outputs = list(chats.respond(store, FakeService(), Cancels(), None, "Tell me about owls", [], *SETTINGS,
+                                 request=page, finds=finds))
+    new = store.chats(1)[0].id
+    assert [c[1] for c in choices(outputs[-1][2])] == [new, ids[1], ids[0]]  # the answer's list: what Find finds
+    renamed, _ = chats.rename(store, ids[3], "Bats", request=page, finds=finds)
+    assert [c[1] for c in choices(renamed)] == [ids[3], new, ids[1]]  # the renamed chat shown, kept in
+    recent = chats.find(store, finds, "", ids[3], request=page)
+    assert [c[1] for c in choices(recent)] == [ids[3], new, ids[4]] and finds.text(page) == ""
+
+
 def test_switch_loads_the_picked_chat(store, toasts):
     a, b = store.create_chat("A"), store.create_chat("B")
     store.sync(a.id, [{"role": "user", "content": "in A"}, {"role": "assistant", "content": "reply A"}])

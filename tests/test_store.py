@@ -58,6 +58,16 @@ def test_chats_are_listed_newest_first(store):
     assert store.chats()[0].updated >= store.chats()[1].updated
 
 
+def test_chats_take_a_limit_and_find_text_in_titles_and_messages(store):
+    lisbon, rome, other = store.create_chat("Trip to Lisbon"), store.create_chat("Rome"), store.create_chat("100%_done")
+    store.sync(rome.id, [{"role": "user", "content": "Plan a weekend"}, {"role": "assistant", "content": "Visit LISBON too"}])
+    assert [c.id for c in store.chats(2)] == [rome.id, other.id]      # newest first, at most 2
+    assert [c.id for c in store.chats(containing="lisbon")] == [rome.id, lisbon.id]   # a message or the title, any case
+    assert [c.id for c in store.chats(1, "lisbon")] == [rome.id]
+    assert [c.id for c in store.chats(containing="0%_")] == [other.id]  # % and _ are text, not wildcards
+    assert store.chats(containing="1%0") == [] and store.chats(containing="Paris") == []
+
+
 def test_update_last_changes_only_the_streaming_answer(store):
     chat = store.create_chat()
     store.append(chat.id, "user", "Hi")
