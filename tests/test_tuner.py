@@ -164,7 +164,7 @@ def test_path_offers_name_the_accepted_ranks():
 
 def test_root_ranking_reports_ranks_the_tree_left_out():
     tree = make_tree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 1])  # the root kept only its 2 best drafts, 6 and 7
-    ranking = torch.tensor([6, 7, 3, 4, 11])             # the drafter's 5 best root drafts
+    ranking = (6, 7, 3, 4, 11)                            # the drafter's 5 best root drafts
     missed = Accepted(torch.tensor([0]), [4])            # the target chose 4: rank 3, not in the tree
     assert path_offers(tree, missed) == ((2, -1),)
     assert path_offers(tree, missed, ranking) == ((5, 3),)

@@ -214,11 +214,14 @@ def test_chi_square_harness_catches_a_subtly_wrong_verifier():
 
 
 def test_greedy_acceptance_brings_every_rows_top2_margin_to_the_host():
-    """accept's one transfer carries each row's margin too: near-ties need no second sync."""
+    """accept's one transfer carries each row's margin too: near-ties need no second sync. The
+    margins are those of the rows that chose the new tokens (the path's), as host floats."""
     tree = make_tree([5, 6, 7, 8], [-1, 0, 1, 0])
     logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(0))
+    logits[0, 6], logits[1, 7] = 9.0, 9.0                     # the chain 5 -> 6 -> 7 is accepted
     acc = accept_greedy(tree, logits)
     top = logits.topk(2, dim=-1).values
-    assert acc.margins.device.type == "cpu" and acc.margins.dtype == torch.float64
-    assert torch.allclose(acc.margins, (top[:, 0] - top[:, 1]).double())
-    assert torch.equal(top2_margins(logits), acc.margins)
+    assert acc.path == (0, 1, 2) and acc.nodes.tolist() == [0, 1, 2] and len(acc.margins) == len(acc.new_tokens)
+    assert all(isinstance(m, float) for m in acc.margins)
+    assert torch.allclose(torch.tensor(acc.margins, dtype=torch.float64), (top[:3, 0] - top[:3, 1]).double())
+    assert acc.margins == tuple(top2_margins(logits)[:3].tolist())

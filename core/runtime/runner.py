@@ -108,7 +108,7 @@ class RunnerConfig:
 
 @dataclass(frozen=True)
 class Verified:
-    logits: torch.Tensor                 # (T, V) fp32 target logits after each kept token; (1, V) after a prefill
+    logits: torch.Tensor | None          # (T, V) fp32 target logits after each row; None once kept (Engine: kept)
     features: torch.Tensor | None        # (T, F) the target features the drafter reads, else None
     side_next: torch.Tensor | None = None  # (R,) the target's argmax after each side row read (tree.SideRows)
 

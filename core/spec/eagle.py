@@ -146,7 +146,7 @@ class EagleDrafter:
             # each rank, including ranks this round's tree left out (path_offers).
             ranking = self.to_target_ids(last_logp.topk(min(RANKED, last_logp.shape[-1])).indices)  # (R,)
             tree = self.grow(context[-1], last, last_logp)
-            return Draft(tree, ranking.cpu())  # after the rerank brought the tree over: no extra wait
+            return Draft(tree, tuple(ranking.tolist()))  # after the rerank brought the tree over: no extra wait
         return Draft(self.grow_static(context[-1], last, last_logp))
 
     def copy_round(self, context: list[int], features: torch.Tensor) -> Draft | None:

@@ -80,7 +80,7 @@ class MedusaDrafter:
         out = self.heads(feature, self.levels)[:, 0]                                # (D, Vd), or (D, H) shared
         logits = out if self.projection is None else self.projection(out)          # (D, Vd)
         logp = torch.log_softmax(logits.float(), dim=-1)
-        ranking = self.to_target_ids(logp[0].topk(min(RANKED, logp.shape[-1])).indices).cpu()
+        ranking = tuple(self.to_target_ids(logp[0].topk(min(RANKED, logp.shape[-1])).indices).tolist())
         if self.static is not None:
             return Draft(static_medusa_tree(context[-1], logp, *self.static, self.to_target_ids), ranking)
         tree = medusa_tree(context[-1], logp, self.tree.top_k, self.tree.total_tokens, self.to_target_ids)

@@ -61,10 +61,10 @@ class SideRows:
 @dataclass(frozen=True)
 class Draft:
     """What a drafter proposes for a round: the tree to verify and, for the tuner's acceptance
-    model, the root's best candidates as target ids (R,), best first, tree or not; None where the
+    model, the root's best candidates as target ids, best first, tree or not; None where the
     drafter ranks none (verify.path_offers); and any side rows to ride in the same forward."""
     tree: DraftTree
-    ranking: Tensor | None = None
+    ranking: tuple[int, ...] | None = None
     side: SideRows | None = None
     copied: bool = False   # copied from the context, not the drafter's model: teaches its acceptance model and draft clock nothing
 

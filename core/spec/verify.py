@@ -25,7 +25,14 @@ from models import top2
 class Acceptance:
     nodes: Tensor          # (a+1,) int64 tree nodes to keep in the KV: the root, then the accepted path
     new_tokens: list[int]  # the a accepted draft tokens, then the bonus token; len a+1
-    margins: Tensor | None = None  # greedy: (N,) on the host, each row's top-1 minus top-2 logit
+    # Greedy: the top-1 minus top-2 logit of the row that chose each new token. Host numbers, as
+    # the few a round reads: tensor ops on them cost ~0.1 ms a round right after a verify.
+    margins: tuple[float, ...] | None = None
+    path: tuple[int, ...] | None = None   # `nodes` on the host (read from them where not given)
+
+    def __post_init__(self):
+        if self.path is None:
+            object.__setattr__(self, "path", tuple(self.nodes.tolist()))
 
     @property
     def accepted(self) -> int:
@@ -57,8 +64,8 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
     # emit its path plus argmax(row of that node), exactly what plain greedy decoding would emit.
     # The top two of each row in one transfer, the one host sync: the argmax decides, the margin
     # between them tells a near-tie (Engine.near_ties) without a second trip to the device.
-    host = best_two(target_logits)                                                   # (N, 2) ids < 2^53: exact
-    target_next, margins = [int(row[0]) for row in host.tolist()], host[:, 1]
+    host = best_two(target_logits).tolist()                                          # (N, 2) ids < 2^53: exact
+    target_next = [int(row[0]) for row in host]
     # The rest on host lists (parents come before children): a few dozen nodes cost less in Python
     # than as tensor ops.
     tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
@@ -70,7 +77,7 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
     path = [last]
     while path[-1] > 0:
         path.append(parents[path[-1]])
-    return replace(_along_path(tree, path[::-1], target_next[last]), margins=margins)
+    return replace(_along_path(tree, path[::-1], target_next[last]), margins=tuple(host[i][1] for i in path[::-1]))
 
 
 def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None) -> Acceptance:
@@ -119,11 +126,11 @@ def _along_path(tree: DraftTree, path: list[int], bonus: int) -> Acceptance:
     """The root-first `path` of nodes and its tokens, then the bonus token."""
     tokens = tree.tokens.tolist()
     nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
-    return Acceptance(nodes=nodes, new_tokens=[*(tokens[i] for i in path[1:]), bonus])
+    return Acceptance(nodes=nodes, path=tuple(path), new_tokens=[*(tokens[i] for i in path[1:]), bonus])
 
 
 def path_offers(tree: DraftTree, acceptance: Acceptance,
-                root_ranking: Tensor | None = None) -> tuple[tuple[int, int], ...]:
+                root_ranking: list[int] | None = None) -> tuple[tuple[int, int], ...]:
     """What the drafter offered along the accepted path, for learning acceptance by rank (Sequoia).
 
     One (children, rank) pair per path node that had children, root first: how many children the
@@ -133,10 +140,10 @@ def path_offers(tree: DraftTree, acceptance: Acceptance,
     root drafts whether the tree kept them or not, the first pair covers all R: the target's next
     token after the root is known, so every rank's acceptance is observed there, not only the kept.
     """
-    kids, path = children(tree), acceptance.nodes.tolist()
+    kids, path = children(tree), acceptance.path
     if root_ranking is not None and kids[0]:
-        chosen = (root_ranking == acceptance.new_tokens[0]).nonzero()
-        first = (len(root_ranking), int(chosen[0, 0]) if len(chosen) else -1)
+        taken = acceptance.new_tokens[0]
+        first = (len(root_ranking), root_ranking.index(taken) if taken in root_ranking else -1)
         return (first, *path_offers(tree, acceptance)[1:])
     offers = []
     for depth, node in enumerate(path):
