@@ -49,11 +49,15 @@ LISTED = 40
 
 class Finds:
     """What each browser session's Find box holds, by session hash: every chat list sent to that
-    session (an answer's end, a rename, a delete) lists what it finds, as the box says."""
+    session (an answer's end, a rename, a delete) lists what it finds, as the box says. The last
+    `SESSIONS` sessions that searched are kept (a reload starts a new session; Gradio's unload
+    event, which would say when one ends, keeps a heartbeat stream open from every page)."""
+
+    SESSIONS = 64
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._texts: dict[str, str] = {}
+        self._texts: dict[str, str] = {}   # oldest search first
 
     def text(self, request: Any) -> str:
         with self._lock:
@@ -62,10 +66,11 @@ class Finds:
     def set(self, request: Any, text: str) -> None:
         with self._lock:
             key = handlers.session_key(request)
+            self._texts.pop(key, None)
             if text:
                 self._texts[key] = text
-            else:
-                self._texts.pop(key, None)
+                while len(self._texts) > self.SESSIONS:
+                    del self._texts[next(iter(self._texts))]
 
 
 class _Recorder:

@@ -288,6 +288,9 @@ def test_the_list_holds_the_most_recent_chats_and_find_lists_others(store, monke
     assert [c[1] for c in choices(renamed)] == [ids[3], new, ids[1]]  # the renamed chat shown, kept in
     recent = chats.find(store, finds, "", ids[3], request=page)
     assert [c[1] for c in choices(recent)] == [ids[3], new, ids[4]] and finds.text(page) == ""
+    for n in range(chats.Finds.SESSIONS + 1):   # only the latest sessions that searched are kept
+        finds.set(session(f"tab {n}"), "owls")
+    assert finds.text(session("tab 0")) == "" and finds.text(session(f"tab {chats.Finds.SESSIONS}")) == "owls"
 
 
 def test_switch_loads_the_picked_chat(store, toasts):
@@ -376,7 +379,9 @@ def test_build_ui_wires_the_chats_panel(store):
 
     demo = build_ui(FakeService(), store=store)
     names = {fn.name for fn in demo.fns.values()}
-    assert {"open_latest", "switch", "new_chat", "rename", "delete", "export", "respond", "regenerate"} <= names
+    assert {"open_latest", "switch", "new_chat", "rename", "delete", "export", "respond", "regenerate", "find"} <= names
+    find = next(fn for fn in demo.fns.values() if fn.name == "find")
+    assert find.outputs[0].elem_id == "aerie-chats" and find.trigger_mode == "always_last"
     switch = next(fn for fn in demo.fns.values() if fn.name == "switch")
     assert switch.outputs[-1].label == "Exported chat"  # a chat switch reaches the export box
     respond = next(fn for fn in demo.fns.values() if fn.api_name == "respond")
