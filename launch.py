@@ -215,7 +215,8 @@ def run_compile(args: argparse.Namespace, graphs: set[str]) -> None:
         staged = stage(engine_spec(args, head=args.head or None), report=lambda line: print(line, flush=True))
         if staged.graphs is None:
             fail("this model runs without compiled graphs here (a GPU, --no-compile, or fp32 on oneDNN).")
-        build([job for job in staged.missing() if job.name in graphs], staged.graphs, lambda line: print(f"Aerie: {line}", flush=True),
+        build([job for job in staged.missing() if job.name in graphs], staged.graphs,
+              lambda line: print(f"Aerie: {line}", flush=True),
               lambda name, seconds: print(f"{STORED}{name} {seconds:.1f}", flush=True), adopt=False)
     except (AerieError, *COMPILE_ERRORS) as e:
         fail(f"compiling failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")

@@ -209,7 +209,8 @@ class ChatStore:
             args += [UNTITLED, pattern, pattern]
         with self._transaction() as con:
             rows = con.execute("SELECT id, COALESCE(title, ?), created, updated FROM chats" + where +
-                               " ORDER BY updated DESC, id DESC LIMIT ?", (*args, -1 if limit is None else limit)).fetchall()
+                               " ORDER BY updated DESC, id DESC LIMIT ?",
+                               (*args, -1 if limit is None else limit)).fetchall()
         return [ChatInfo(*row) for row in rows]
 
     def chat(self, chat_id: int) -> ChatInfo:

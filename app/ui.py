@@ -193,8 +193,8 @@ def _chats_panel() -> SimpleNamespace:
             export_json = gr.Button("Export .json", size="sm", min_width=80)
             export_md = gr.Button("Export .md", size="sm", min_width=80)
         exported = gr.File(label="Exported chat", visible=False, interactive=False)
-    return SimpleNamespace(list=chat_list, find=find, finds=chats.Finds(), new=new, title=title, rename=rename, export_json=export_json,
-                           export_md=export_md, delete=delete, exported=exported,
+    return SimpleNamespace(list=chat_list, find=find, finds=chats.Finds(), new=new, title=title, rename=rename,
+                           export_json=export_json, export_md=export_md, delete=delete, exported=exported,
                            lock=[new, delete])  # the order of chats.controls; the list is made inert
 
 
@@ -214,8 +214,8 @@ def _wire_chats(demo: gr.Blocks, store: ChatStore, exports: Path, p: SimpleNames
                  **private)
     gr.on([c.rename.click, c.title.submit], bind(chats.rename, store, finds=c.finds), inputs=[c.list, c.title],
           outputs=[c.list, c.title], **private)
-    c.delete.click(bind(chats.delete, store, finds=c.finds), inputs=[c.list, p.highlight], outputs=view, js=CONFIRM_DELETE,
-                   **private)
+    c.delete.click(bind(chats.delete, store, finds=c.finds), inputs=[c.list, p.highlight], outputs=view,
+                   js=CONFIRM_DELETE, **private)
     c.export_json.click(bind(chats.export, store, exports, "json"), inputs=c.list, outputs=c.exported, **private)
     c.export_md.click(bind(chats.export, store, exports, "markdown"), inputs=c.list, outputs=c.exported, **private)
     # The monitor's timer pauses while an answer streams: each refresh redraws its panel beside the
@@ -266,7 +266,8 @@ def _wire(service: ChatServiceApi, store: ChatStore, cancels: handlers.Cancels, 
                     api_name="respond", **saved)
     respond.failure(outputs=lock, **unlock)
     regenerate = p.regen.click(outputs=lock, **locking).then(
-        bind(chats.regenerate, store, service, cancels, finds=p.chats.finds), inputs=[p.chats.list, p.chatbot, *p.settings, p.highlight],
+        bind(chats.regenerate, store, service, cancels, finds=p.chats.finds),
+        inputs=[p.chats.list, p.chatbot, *p.settings, p.highlight],
         api_name="regenerate", **saved)
     regenerate.failure(outputs=lock, **unlock)
     ab = p.ab.click(outputs=lock, **locking).then(

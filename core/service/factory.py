@@ -256,7 +256,8 @@ def build_kernels(target: Target, cache_dir: Path, report=print) -> None:
     flags = cpu_flags()
     kernels = [top2.kernel(flags)]
     if target.quant in CPU_QUANTS:   # the row attention, q4_rows for the target and the head, AMX for int4
-        kernels += [attention.kernel(flags), q4_rows.kernel(flags), amx.kernel(flags) if target.quant == "int4" else None]
+        kernels += [attention.kernel(flags), q4_rows.kernel(flags),
+                    amx.kernel(flags) if target.quant == "int4" else None]
     native.build_all([k for k in kernels if k is not None], cache_dir, report)
 
 

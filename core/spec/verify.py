@@ -130,7 +130,7 @@ def _along_path(tree: DraftTree, path: list[int], bonus: int) -> Acceptance:
 
 
 def path_offers(tree: DraftTree, acceptance: Acceptance,
-                root_ranking: list[int] | None = None) -> tuple[tuple[int, int], ...]:
+                root_ranking: tuple[int, ...] | None = None) -> tuple[tuple[int, int], ...]:
     """What the drafter offered along the accepted path, for learning acceptance by rank (Sequoia).
 
     One (children, rank) pair per path node that had children, root first: how many children the
