@@ -104,7 +104,8 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
                    "onto the draft vocabulary (Medusa-1's; 10 MB a head here) instead of sharing the model's LM head rows")
     p.add_argument("--head", help="medusa: the EAGLE-1 head whose draft vocabulary the heads project onto "
                    "(default: the model's shipped head, if any; none: the most frequent answer tokens)")
-    p.add_argument("--draft-vocab", type=int, help="eagle3: keep the N most frequent answer tokens (default: the whole vocabulary)")
+    p.add_argument("--draft-vocab", type=int, help="eagle3: keep the N most frequent answer tokens (default: the whole vocabulary); eagle1: draft from N rows of "
+                   "the target's LM head, the most frequent answer tokens (default 8192; --init-from keeps its head's and adds the next most frequent)")
     p.add_argument("--ttt-steps", type=int, help="training-time test: unrolled draft steps (default: 1 for eagle1, 5 for eagle3)")
     p.add_argument("--init-from-target", type=int, nargs="?", const=-1, metavar="LAYER", help="start the head's layer from this target layer (default when given without a number: the last)")
     p.add_argument("--init-from", metavar="HEAD_DIR", help="start from a head trained earlier (same --kind): train it further on more data")

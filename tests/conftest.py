@@ -22,6 +22,7 @@ from models.embedded import embedded_model_dir
 from models.head_config import head_config_for_target
 from models.heads import build_head
 from models.target import LoadSpec, Target, load_target
+from tests.fakes import KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOT_ASSETS = ROOT / "assets"
@@ -196,6 +197,18 @@ def first_start(embedded_dir, cache_dir) -> tuple[subprocess.Popen, str]:
     proc, url = start_aerie(cache_dir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     FIRST_STARTS.append(proc)
     yield proc, url
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def keyed_aerie(embedded_dir, cache_dir, tmp_path_factory) -> str:
+    """One real Aerie asking for an API key (`--no-compile`, an empty data folder), shared by the
+    API's test and the page's: each boot costs the suite ~12-16 s, most of it imports. Its URL."""
+    data = tmp_path_factory.mktemp("aerie-keyed-data")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_DATA_HOME": str(data), "AERIE_API_KEY": KEY}
+    proc, url = start_aerie(cache_dir, "--no-compile", env=env)
+    yield url
     proc.terminate()
     proc.wait(30)
 

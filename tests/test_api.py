@@ -16,7 +16,7 @@ import pytest
 from core.service.chat import ChatService
 from core.config import ReplyEvent, ReplyStats, SamplingConfig
 from core.errors import ContextOverflowError, OutOfMemoryError, StrategyUnavailableError
-from tests.conftest import served_api, start_aerie
+from tests.conftest import served_api
 from tests.fakes import ApiFake, KEY, USER, client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,29 +219,24 @@ def test_the_service_answers_one_reply_at_a_time():
 
 @pytest.mark.slow
 @pytest.mark.late
-def test_openai_client_streams_from_a_real_aerie(embedded_dir, cache_dir):
+def test_openai_client_streams_from_a_real_aerie(keyed_aerie):
     openai = pytest.importorskip("openai")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "AERIE_API_KEY": KEY}
-    proc, url = start_aerie(cache_dir, "--no-compile", env=env)  # the page, not compiling (test_cpu_quant.py)
-    try:
-        api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-        model = api.models.list().data[0].id
-        request = dict(model=model, messages=[{"role": "user", "content": "Name three colours of the rainbow."}],
-                       temperature=0, max_tokens=40)
-        pieces, usage = [], None
-        for chunk in api.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}):
-            pieces += [c.delta.content or "" for c in chunk.choices]
-            usage = chunk.usage or usage
-        whole = api.chat.completions.create(**request)
-        streamed = "".join(pieces)
-        assert streamed.strip() and streamed == whole.choices[0].message.content
-        assert usage.completion_tokens == whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 0
-        assert whole.model_extra["aerie"]["accept_len"] >= 1
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    # The page, not compiling (test_cpu_quant.py); the same server serves test_browser_key.py.
+    api = openai.OpenAI(base_url=keyed_aerie + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    model = api.models.list().data[0].id
+    request = dict(model=model, messages=[{"role": "user", "content": "Name three colours of the rainbow."}],
+                   temperature=0, max_tokens=40)
+    pieces, usage = [], None
+    for chunk in api.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}):
+        pieces += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    whole = api.chat.completions.create(**request)
+    streamed = "".join(pieces)
+    assert streamed.strip() and streamed == whole.choices[0].message.content
+    assert usage.completion_tokens == whole.usage.completion_tokens > 0 and whole.usage.prompt_tokens > 0
+    assert whole.model_extra["aerie"]["accept_len"] >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed_aerie + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
 def test_launch_refuses_a_public_host_without_a_key(tmp_path):

@@ -13,12 +13,11 @@ import torch
 from core.config import SamplingConfig, TreeConfig
 from core.spec.eagle import EagleDrafter
 from core.engine import Engine
-from core.train.loop import TrainConfig, train
+from core.train.loop import TrainConfig, conversations, train
 from core.train.data import (Batch, DataConfig, TrainDataError, flattest, load_features, sequence_entropies,
                              training_sets, write_shard)
 from core.train.losses import (DraftVocab, LossWeights, ahead, column_index, losses as head_losses, new_head,
                                token_loss, ttt_mask, unroll)
-from models.errors import UnsupportedModelError
 from models.head_checkpoint import load_draft_vocab, load_head
 from tests.conftest import tiny_llama, tiny_target
 
@@ -101,6 +100,20 @@ def test_eagle1_trains_on_the_draft_vocabulary_it_drafts_from(model, answers, tm
     train(tiny_target(model), data(answers, tmp_path, max_tokens=200), replace(CFG, epochs=1, init_head=str(tmp_path / "head")),
           tmp_path / "warm")
     assert torch.equal(load_draft_vocab(str(tmp_path / "warm"), 256), vocab)
+    # --draft-vocab widens it: every token it learned, then the most frequent of its training answers not among them.
+    few = data(answers, tmp_path, max_tokens=200)
+    wide = train(tiny_target(model), few, replace(CFG, epochs=1, init_head=str(tmp_path / "head"), draft_vocab=120),
+                 tmp_path / "wide")
+    widened = load_draft_vocab(str(tmp_path / "wide"), 256)
+    assert wide["draft_vocab"] == 120 and len(widened) == 120 and set(vocab.tolist()) <= set(widened.tolist())
+    added = set(widened.tolist()) - set(vocab.tolist())
+    counted = Counter(t for c in conversations(tiny_target(model), few)[0] for t in c.answer_ids)
+    left = [counted[t] for t in range(256) if t not in vocab.tolist() and t not in added]
+    assert min(counted[t] for t in added) >= max(left) and max(counted[t] for t in added) > 0
+    with pytest.raises(ValueError, match="below the 96 tokens"):
+        train(tiny_target(model), data(answers, tmp_path, max_tokens=200),
+              replace(CFG, epochs=1, init_head=str(tmp_path / "head"), draft_vocab=50), tmp_path / "narrow")
+    assert not (tmp_path / "narrow" / "model.safetensors").exists()
 
 
 def test_draft_vocabulary_scores_only_its_columns(model):
@@ -316,8 +329,8 @@ def test_benchmark_prompts_are_dropped_and_bad_input_is_refused(answers, tmp_pat
     assert dropped == 2 and len(convs) == 22
     with pytest.raises(TrainDataError, match="vocabulary"):
         load_conversations(data(answers, tmp_path), 100, 512)
-    with pytest.raises(UnsupportedModelError, match="eagle3"):
-        TrainConfig(kind="eagle1", draft_vocab=100)
+    with pytest.raises(ValueError, match="positive"):
+        TrainConfig(kind="eagle1", draft_vocab=0)
 
 
 def test_ttt_mask_sees_the_committed_prefix_and_its_own_ancestors():

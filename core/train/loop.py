@@ -42,7 +42,7 @@ RUN_CONTROL = ("save_every", "eval_every", "log_every", "stop_at_step", "time_li
 @dataclass(frozen=True)
 class TrainConfig:
     kind: str = "eagle1"
-    draft_vocab: int | None = None     # eagle3: keep the most frequent answer tokens (EAGLE-3 d2t); None = all
+    draft_vocab: int | None = None     # eagle3: its d2t's size (None = all); eagle1: rows drafted from (None = 8,192)
     epochs: int = 2
     lr: float = 7e-4                   # calibration.md for this ~4M-parameter head (EAGLE: 3e-5 for 0.25B)
     warmup_steps: int = 30
@@ -78,9 +78,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.kind not in TRAIN_KINDS:
             raise UnsupportedModelError(f"Unknown head kind '{self.kind}': choose one of {', '.join(TRAIN_KINDS)}.")
-        if self.kind == "eagle1" and self.draft_vocab is not None:
-            raise UnsupportedModelError("A reduced draft vocabulary needs an EAGLE-3 head (--kind eagle3); "
-                                        "EAGLE-1 heads use the target's own LM head.")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"--draft-vocab must be a positive number of tokens, not {self.draft_vocab}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"Unknown objective '{self.objective}': choose one of {', '.join(OBJECTIVES)}.")
         if self.replay < 0 or (self.flattest is not None and not 0 < self.flattest <= 1):
@@ -315,6 +314,8 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
                     cfg.fc_norm)
     # On resume the checkpoint holds the warm-started weights; checked before the capture's minutes.
     gained_norms = warm_start(head, target.model, cfg.init_head) if cfg.init_head and not resume else False
+    kept = load_draft_vocab(cfg.init_head, head.config.vocab_size) if cfg.init_head else None
+    vocab = draft_vocab(head, [c.answer_ids for c in train_convs], kept, cfg.draft_vocab)
     layers = head.feature_layers(target.model.config.get_text_config().num_hidden_layers)
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
@@ -324,15 +325,14 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
     if gained_norms:
         embedded = target.model.get_input_embeddings()(trainset.tokens[:100_000].to(target.device))
         start_fc_norm(head, (float(embedded.float().pow(2).mean().sqrt()), rms))
-    kept = load_draft_vocab(cfg.init_head, head.config.vocab_size) if cfg.init_head else None
-    vocab = draft_vocab(head, [c.answer_ids for c in train_convs], kept)
     run = new_run(target, cfg, cfg.noise * rms, vocab)
     progress, finished = fit(eagle_trainee(head, cfg, run), trainset, valset, cfg, run, out, resume,
                              [p.stem for p in train_paths], deadline)
     save_head(head, out)
     if vocab.ids is not None:  # eagle1 over a big vocabulary: the tokens it trained (and drafts) on
         save_draft_vocab(out, vocab.ids.cpu())
-    summary = {"out": str(out), "kind": cfg.kind, "objective": cfg.objective, "replay": cfg.replay, "flattest": cfg.flattest,
+    summary = {"out": str(out), "kind": cfg.kind, "draft_vocab": cfg.draft_vocab if vocab.ids is None else len(vocab.ids),
+               "objective": cfg.objective, "replay": cfg.replay, "flattest": cfg.flattest,
                "fc_norm": cfg.fc_norm, "amp": cfg.amp, "capture_linear": data.linear, "finished": finished, "dropped_benchmark_prompts": dropped,
                "train_conversations": len(train_convs), **run_numbers(trainset, valset, cap_train, cap_val, progress),
                "wall_s": round(time.time() - t_start, 1)}

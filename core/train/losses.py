@@ -56,7 +56,9 @@ def new_head(model, kind: str, draft_vocab: int | None, init_layer: int | None, 
              answers: list[tuple[int, ...]], fc_norm: bool = False) -> EagleHead:
     """A fresh fp32 head for the HF causal LM `model`, seeded; `answers` give EAGLE-3 its draft vocabulary."""
     torch.manual_seed(seed)
-    config = head_config_for_target(model.config, kind, draft_vocab_size=draft_vocab, fc_norm=fc_norm)
+    # An EAGLE-1 head drafts through the target's LM head; its draft vocabulary is a choice of rows (draft_vocab()).
+    own_vocab = draft_vocab if kind == "eagle3" else None
+    config = head_config_for_target(model.config, kind, draft_vocab_size=own_vocab, fc_norm=fc_norm)
     head = build_head(config, model.get_input_embeddings(), model.get_output_embeddings())
     with torch.no_grad():
         if kind == "eagle3":
@@ -87,10 +89,15 @@ def start_fc_norm(head: EagleHead, input_rms: tuple[float, float]) -> None:
         norm.weight.fill_(rms)
 
 
+def by_frequency(answers: list[tuple[int, ...]], vocab_size: int) -> torch.Tensor:
+    """(V,) every token id, the most frequent in the answers first (ties: the lower id)."""
+    counts = torch.bincount(torch.tensor([t for a in answers for t in a], dtype=torch.long), minlength=vocab_size)
+    return torch.argsort(-counts, stable=True)
+
+
 def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int) -> torch.Tensor:
     """The n most frequent answer tokens, ascending ids (ties: the lower id)."""
-    counts = torch.bincount(torch.tensor([t for a in answers for t in a], dtype=torch.long), minlength=vocab_size)
-    return torch.argsort(-counts, stable=True)[:n].sort().values
+    return by_frequency(answers, vocab_size)[:n].sort().values
 
 
 def init_draft_vocab(head: EagleHead, model, answers: list[tuple[int, ...]]) -> None:
@@ -144,28 +151,47 @@ class DraftVocab:
         return cols if head is None else head.to_target_ids(cols)
 
 
-def draft_vocab(head: EagleHead, answers: list[tuple[int, ...]], kept: torch.Tensor | None = None) -> DraftVocab:
+def draft_vocab(head: EagleHead, answers: list[tuple[int, ...]], kept: torch.Tensor | None = None,
+                size: int | None = None) -> DraftVocab:
     """EAGLE-3: its own d2t. EAGLE-1: `kept` (a warm start's own draft vocabulary: the head goes on
-    drafting from the tokens it learned), else the EAGLE1_DRAFT_VOCAB most frequent answer tokens
-    (ascending ids); the set is saved beside the head and drafted from at inference."""
+    drafting from the tokens it learned), widened to `size` with the next most frequent answer tokens,
+    else the `size` (default EAGLE1_DRAFT_VOCAB) most frequent; the set is saved beside the head and
+    drafted from at inference."""
     c = head.config
     if c.kind == "eagle1":
-        return frequent_vocab(head.target.lm_head.weight, answers, kept)
+        return frequent_vocab(head.target.lm_head.weight, answers, kept, size)
     if c.draft_vocab_size == c.vocab_size:
         return DraftVocab(None, None, None)
     return DraftVocab(column_index(head.to_target_ids(torch.arange(c.draft_vocab_size, device=head.d2t.device)),
                                    c.vocab_size), None, None)
 
 
-def frequent_vocab(lm_head: torch.Tensor, answers: list[tuple[int, ...]], kept: torch.Tensor | None = None) -> DraftVocab:
-    """Drafting through the target's LM head (V, H): over `kept` (a head's own draft vocabulary), else
-    the EAGLE1_DRAFT_VOCAB most frequent answer tokens (ascending ids), or the whole vocabulary where
-    it is no bigger (then no columns are picked: index, ids and weight None)."""
+def frequent_vocab(lm_head: torch.Tensor, answers: list[tuple[int, ...]], kept: torch.Tensor | None = None,
+                   size: int | None = None) -> DraftVocab:
+    """Drafting through the target's LM head (V, H): over `kept` (a head's own draft vocabulary) and
+    the most frequent answer tokens after it, `size` in all (default: `kept` alone, else
+    EAGLE1_DRAFT_VOCAB; ascending ids), or the whole vocabulary where it is no bigger (then no
+    columns are picked: index, ids and weight None)."""
     V = lm_head.shape[0]
-    if kept is None and V <= EAGLE1_DRAFT_VOCAB:
+    if size is None:
+        size = EAGLE1_DRAFT_VOCAB if kept is None else len(kept)
+    if kept is None and V <= size:
         return DraftVocab(None, None, None)
-    ids = (kept if kept is not None else frequent_tokens(answers, V, EAGLE1_DRAFT_VOCAB)).to(lm_head.device)
+    ids = widened(kept, answers, V, size).to(lm_head.device)
     return DraftVocab(column_index(ids, V), ids, lm_head[ids].detach())
+
+
+def widened(kept: torch.Tensor | None, answers: list[tuple[int, ...]], vocab_size: int, size: int) -> torch.Tensor:
+    """`kept` plus the most frequent answer tokens not in it, `size` ids in all, ascending. A head keeps
+    every token it drafted from: a size below `kept`'s is an error, not a silent cut."""
+    kept = torch.zeros(0, dtype=torch.long) if kept is None else kept.cpu().long()
+    if size < len(kept):
+        raise ValueError(f"--draft-vocab {size} is below the {len(kept)} tokens the warm-started head drafts from.")
+    if size == len(kept):
+        return kept.sort().values
+    ranked = by_frequency(answers, vocab_size)
+    fresh = ranked[~torch.isin(ranked, kept)][:size - len(kept)]
+    return torch.cat([kept, fresh]).sort().values
 
 
 def column_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
