@@ -89,15 +89,19 @@ def start_fc_norm(head: EagleHead, input_rms: tuple[float, float]) -> None:
         norm.weight.fill_(rms)
 
 
-def by_frequency(answers: list[tuple[int, ...]], vocab_size: int) -> torch.Tensor:
-    """(V,) every token id, the most frequent in the answers first (ties: the lower id)."""
+def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int,
+                    kept: torch.Tensor | None = None) -> torch.Tensor:
+    """`kept` (none by default) and the most frequent answer tokens not in it, n ids in all, ascending
+    (ties: the lower id). A head keeps every token it drafted from: n below `kept`'s is an error."""
+    kept = torch.zeros(0, dtype=torch.long) if kept is None else kept.cpu().long()
+    if n < len(kept):
+        raise ValueError(f"--draft-vocab {n} is below the {len(kept)} tokens the warm-started head drafts from.")
+    if n == len(kept):   # no count needed: a warm start's own vocabulary, as it was
+        return kept.sort().values
     counts = torch.bincount(torch.tensor([t for a in answers for t in a], dtype=torch.long), minlength=vocab_size)
-    return torch.argsort(-counts, stable=True)
-
-
-def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int) -> torch.Tensor:
-    """The n most frequent answer tokens, ascending ids (ties: the lower id)."""
-    return by_frequency(answers, vocab_size)[:n].sort().values
+    ranked = torch.argsort(-counts, stable=True)
+    fresh = ranked[~torch.isin(ranked, kept)][:n - len(kept)]
+    return torch.cat([kept, fresh]).sort().values
 
 
 def init_draft_vocab(head: EagleHead, model, answers: list[tuple[int, ...]]) -> None:
@@ -177,21 +181,8 @@ def frequent_vocab(lm_head: torch.Tensor, answers: list[tuple[int, ...]], kept: 
         size = EAGLE1_DRAFT_VOCAB if kept is None else len(kept)
     if kept is None and V <= size:
         return DraftVocab(None, None, None)
-    ids = widened(kept, answers, V, size).to(lm_head.device)
+    ids = frequent_tokens(answers, V, size, kept).to(lm_head.device)
     return DraftVocab(column_index(ids, V), ids, lm_head[ids].detach())
-
-
-def widened(kept: torch.Tensor | None, answers: list[tuple[int, ...]], vocab_size: int, size: int) -> torch.Tensor:
-    """`kept` plus the most frequent answer tokens not in it, `size` ids in all, ascending. A head keeps
-    every token it drafted from: a size below `kept`'s is an error, not a silent cut."""
-    kept = torch.zeros(0, dtype=torch.long) if kept is None else kept.cpu().long()
-    if size < len(kept):
-        raise ValueError(f"--draft-vocab {size} is below the {len(kept)} tokens the warm-started head drafts from.")
-    if size == len(kept):
-        return kept.sort().values
-    ranked = by_frequency(answers, vocab_size)
-    fresh = ranked[~torch.isin(ranked, kept)][:size - len(kept)]
-    return torch.cat([kept, fresh]).sort().values
 
 
 def column_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
