@@ -11,7 +11,7 @@ keeps `Acceptance.nodes` in the KV cache and emits `Acceptance.new_tokens`.
 Dimensions: N tree nodes, V vocabulary, a accepted draft tokens.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -77,7 +77,8 @@ def accept_greedy(tree: DraftTree, target_logits: Tensor) -> Acceptance:
     path = [last]
     while path[-1] > 0:
         path.append(parents[path[-1]])
-    return replace(_along_path(tree, path[::-1], target_next[last]), margins=tuple(host[i][1] for i in path[::-1]))
+    root_first = path[::-1]
+    return _along_path(tree, tokens, root_first, target_next[last], tuple(host[i][1] for i in root_first))
 
 
 def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Generator | None) -> Acceptance:
@@ -119,14 +120,14 @@ def accept_sampled(tree: DraftTree, target_probs: Tensor, generator: torch.Gener
     # Rounding can reject a token that held all the remaining mass (a probability-0 event in exact
     # arithmetic); then draw from the row rather than fail on an all-zero residual.
     residual = torch.where(residual.sum() > 0, residual, row)
-    return _along_path(tree, path, int(sample(residual, generator)))
+    return _along_path(tree, token_of, path, int(sample(residual, generator)))
 
 
-def _along_path(tree: DraftTree, path: list[int], bonus: int) -> Acceptance:
-    """The root-first `path` of nodes and its tokens, then the bonus token."""
-    tokens = tree.tokens.tolist()
+def _along_path(tree: DraftTree, tokens: list[int], path: list[int], bonus: int,
+                margins: tuple[float, ...] | None = None) -> Acceptance:
+    """The root-first `path` of nodes and its tokens (`tokens`: the tree's, on the host), then the bonus token."""
     nodes = torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
-    return Acceptance(nodes=nodes, path=tuple(path), new_tokens=[*(tokens[i] for i in path[1:]), bonus])
+    return Acceptance(nodes=nodes, path=tuple(path), new_tokens=[*(tokens[i] for i in path[1:]), bonus], margins=margins)
 
 
 def path_offers(tree: DraftTree, acceptance: Acceptance,
