@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache
 
+from models.cpu_quant import quantize_cpu, quantized
+
 KINDS = ("eagle1", "eagle3")
 
 
@@ -279,6 +281,18 @@ class EagleHead(nn.Module):
         no draft reads, need nothing else: their attention, queries and MLP are skipped."""
         raise NotImplementedError
 
+    def shrink(self, quant: str) -> None:
+        """Small weights for drafting on a CPU (models/cpu_quant.py `quantized`): fc and the decoder
+        layer, read once per head step, and a head's own LM head where it has one. fc keeps
+        `.weight` (fp32): the head reads its activations' dtype from it."""
+        quantize_cpu(self.decoder, quant, join=False)   # `remember` reads k and v without q (models/fused.py)
+        self.fc = quantized(self.fc, quant, keep_weight=True)
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The head's decoder layer(s)."""
+        raise NotImplementedError
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., Vd) logits over the draft vocabulary."""
         raise NotImplementedError
@@ -302,6 +316,10 @@ class Eagle1Head(EagleHead):
 
     def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
         return feature_layers("eagle1", num_target_layers)
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.layers
 
     def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
         cos, sin = self.rotary(position_ids)
@@ -342,6 +360,14 @@ class Eagle3Head(EagleHead):
 
     def feature_layers(self, num_target_layers: int) -> tuple[int, ...]:
         return feature_layers("eagle3", num_target_layers)
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.midlayer
+
+    def shrink(self, quant: str) -> None:
+        super().shrink(quant)
+        self.lm_head = quantized(self.lm_head, quant)   # its own draft vocabulary's rows, read every head step
 
     def forward(self, features, token_ids, position_ids, attention_mask, cache) -> torch.Tensor:
         cos, sin = self.rotary(position_ids)

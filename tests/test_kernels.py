@@ -85,15 +85,19 @@ def test_head_weights_choice_needs_a_clear_win(tmp_path):
     assert head_weights_here(tmp_path) == (("int8", "int4", "bf16", "q4_rows") if onednn_runs("bf16") else ("int8", "int4", "q4_rows"))
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("weights", [pytest.param(w, marks=needs_onednn_bf16 if w == "bf16" else ()) for w in HEAD_WEIGHTS])
-def test_every_head_weight_choice_drafts_and_stays_lossless(weights, tmp_path):
+def test_every_head_weight_choice_drafts_and_stays_lossless(weights, kind, tmp_path):
+    """Either head kind on each CPU weight choice (an EAGLE-3 head's own LM head among them)."""
     if weights == "q4_rows":
         load_kernel("rows", tmp_path)
     target = int4_target()
     prompt = torch.randint(0, 256, (11,), generator=torch.Generator().manual_seed(6)).tolist()
     plain, ties = greedy_run(Engine(target), prompt)
-    drafter = EagleDrafter(random_head(target.model, "eagle1", 3), 3, TreeConfig(1, 4, 5))
+    drafter = EagleDrafter(random_head(target.model, kind, 3), 3, TreeConfig(1, 4, 5))
     drafter.shrink(weights)
+    own_lm_head = (drafter.head.lm_head,) if kind == "eagle3" else ()
+    assert not any(isinstance(m, torch.nn.Linear) for m in (drafter.head.fc, *drafter.head.decoder.modules(), *own_lm_head))
     assert time_draft_steps(drafter) > 0
     eagle, _ = greedy_run(Engine(target, drafter), prompt)
     assert eagle == plain or next(i for i, (a, b) in enumerate(zip(plain, eagle)) if a != b) in ties

@@ -36,7 +36,7 @@ from core.runtime.memory import storage, tensor_bytes
 from core.spec.drafters import LookupConfig, PromptLookupDrafter
 from core.spec.specexec import BRANCH, HeadFeed, grow_best_first
 from core.spec.tree import Draft, DraftTree, Pool, chain_tree, make_tree, rerank, static_shape
-from models.cpu_quant import quantize_cpu, quantized
+from models.cpu_quant import quantized
 from models.errors import UnsupportedModelError
 from models.heads import vocab_rows
 
@@ -66,11 +66,9 @@ class EagleDrafter:
         self.reshape(tree)
 
     def shrink(self, quant: str) -> None:
-        """Small weights for drafting on a CPU: the head's fc and decoder layer and the draft
+        """Small weights for drafting on a CPU: the head's (models/heads.py `shrink`) and the draft
         vocabulary's rows, read once per head step. Drafts only: the target still verifies."""
-        quantize_cpu(self.head.layers, quant, join=False)   # its `remember` reads k and v without q (models/fused.py)
-        fc = self.head.fc   # keeps `.weight` (fp32, 2.6 MB here): the head reads its dtype from it
-        self.head.fc = quantized(fc, quant, keep_weight=True)
+        self.head.shrink(quant)
         if self.vocab_head is not None:
             self.vocab_head = quantized(self.vocab_head, quant)
 
