@@ -195,7 +195,7 @@ class Engine:
         t3 = time.perf_counter()
         result = StepResult(new_ids=tuple(acceptance.new_tokens), accepted=acceptance.accepted, drafted=tree.max_depth,
                             tree_size=draft.rows, draft_s=t1 - t0, verify_s=t2 - t1, commit_s=t3 - t2,
-                            offers=() if draft.copied else path_offers(tree, acceptance, draft.ranking),
+                            offers=() if draft.copied else path_offers(tree, acceptance, draft.ranking, draft.grafted),
                             near_ties=self.near_ties(acceptance.margins, sampling),
                             reference=reference, copied=draft.copied)
         new = kept(fresh, acceptance.nodes)

@@ -228,6 +228,28 @@ def test_a_chain_is_the_tree_expand_and_rerank_would_draft(shape):
     fresh = engine.prefill(prompt)
     out, logp = drafter.catch_up(fresh.features, prompt[1:] + [prompt[0]])
     chain = drafter.grow_chain(prompt[0], out, logp)
-    tree = drafter.grow_tree(prompt[0], out, logp)
-    assert torch.equal(chain.tokens, tree.tokens) and torch.equal(chain.parents, tree.parents)
+    tree, grafted = drafter.grow_tree(prompt[0], out, logp, [])
+    assert grafted == () and torch.equal(chain.tokens, tree.tokens) and torch.equal(chain.parents, tree.parents)
     assert chain.size == min(shape.depth + 2, shape.total_tokens)
+
+
+def test_a_copied_chain_grafted_into_a_big_tree_stays_lossless():
+    """A prompt that repeats itself: prompt lookup finds what followed its last tokens before, and
+    that chain is grafted into the EAGLE-2 tree (kept whatever the head scored it, appended where
+    the head drafted none of it). The answer stays plain decoding's, the tree its size."""
+    model = tiny_llama(seed=1, layers=4)
+    phrase = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompt = phrase * 3 + phrase[:3]
+    drafter = EagleDrafter(random_head(model, "eagle1", 3), 4, TreeConfig(2, 4, 10))
+    engine = Engine(tiny_target(model), drafter)
+    drafts, draft = [], drafter.draft
+    drafter.draft = lambda context, fresh: drafts.append((list(context), draft(context, fresh))) or drafts[-1][1]
+    steps = list(engine.generate(prompt, SamplingConfig(max_new_tokens=24)))
+    assert [t for s in steps for t in s.new_ids] == run(Engine(tiny_target(model)), prompt, SamplingConfig(max_new_tokens=24))
+    assert all(d.tree.size <= 10 for _, d in drafts)
+    grafted = [(context, d) for context, d in drafts if d.grafted]
+    assert grafted
+    for context, d in grafted:   # the grafted nodes lie on one path whose tokens ran in the context before
+        path = d.tree.paths[(d.tree.paths == d.grafted[-1]).any(1)][0]
+        tokens = d.tree.tokens[path[path >= 0]].tolist()          # root .. the last grafted node
+        assert any(context[i: i + len(tokens)] == tokens for i in range(len(context) - len(tokens)))

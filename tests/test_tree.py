@@ -11,6 +11,7 @@ from core.spec.tree import (
     MC_SIM_7B_63,
     DraftTree,
     Pool,
+    chain_nodes,
     chain_tree,
     children,
     expand_frontier,
@@ -238,3 +239,18 @@ def test_log_probs_are_nonpositive_so_scores_never_rise():
     # the premise of rerank's ancestor closure, in float32 log_softmax
     logp = torch.log_softmax(torch.randn(1000, 50) * 30, -1)
     assert (logp <= 0).all() and math.isclose(float(logp.exp().sum(-1).mean()), 1.0, rel_tol=1e-5)
+
+
+def test_graft_keeps_a_copied_chain_through_the_rerank():
+    """Pool.graft: a chain that starts on the head's best child and leaves its candidates after it
+    survives a rerank that keeps only a few nodes; the head's candidate on the path is reused, the
+    rest appended, and the kept set is still a tree (parents first)."""
+    root_logp = torch.log_softmax(torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0]), -1)
+    pool = Pool(root_logp, 3, lambda ids: ids + 100)              # draft column c is token 100 + c
+    pool.expand(torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0, -2.0]] * 3), -1))  # children 100-102
+    appended = pool.graft([100, 105, 104])                        # 105 scored low under 100: not a candidate
+    assert appended == [False, True, True]
+    tree = pool.rerank(7, 5)                                      # the root and 4 nodes
+    nodes = chain_nodes(tree, [100, 105, 104])
+    assert len(nodes) == 3 and tree.tokens[nodes].tolist() == [100, 105, 104]
+    assert tree.parents[nodes].tolist() == [0, nodes[0], nodes[1]]

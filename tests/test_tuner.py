@@ -173,6 +173,16 @@ def test_root_ranking_reports_ranks_the_tree_left_out():
     assert path_offers(tree, Accepted(torch.tensor([0]), [99]), ranking) == ((5, -1),)
 
 
+def test_offers_stop_before_a_grafted_node():
+    """A copied node grafted into the tree (Draft.grafted) has no rank of the head's: the offers
+    along an accepted path through it stop before it; the root's ranking still counts."""
+    tree = make_tree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 1])  # 4 grafted under the head's best child 1
+    through = Accepted(torch.tensor([0, 1, 4]), [6, 9, 3])
+    assert path_offers(tree, through, grafted=(4,)) == ((2, 0),)
+    assert path_offers(tree, through, (6, 7, 3), grafted=(4,)) == ((3, 0),)
+    assert path_offers(tree, Accepted(torch.tensor([0, 1, 3]), [6, 8, 3]), grafted=(4,)) == ((2, 0), (2, 0))
+
+
 def test_cpu_profile_picks_a_small_tree_and_gpu_a_large_deep_one():
     q = prior_table([0.7, 0.6, 0.6, 0.6])
     cpu = best_shape(q, CPU, 100, 96, Pins(), chain=False).tree

@@ -35,12 +35,13 @@ from core.runtime.head_step import HeadStep
 from core.runtime.memory import storage, tensor_bytes
 from core.spec.drafters import LookupConfig, PromptLookupDrafter
 from core.spec.specexec import BRANCH, HeadFeed, grow_best_first
-from core.spec.tree import Draft, DraftTree, Pool, chain_tree, make_tree, rerank, static_shape
+from core.spec.tree import Draft, DraftTree, Pool, chain_nodes, chain_tree, make_tree, rerank, static_shape
 from models.cpu_quant import quantized
 from models.errors import UnsupportedModelError
 from models.heads import vocab_rows
 
 RANKED = 10  # root drafts ranked for the tuner's acceptance model (core/tune/shapes.py RANKS)
+GRAFT_TOKENS = 8   # a copied chain grafted into a big tree (`graft_chain`): prompt lookup's own draft length
 
 
 class EagleDrafter:
@@ -143,8 +144,8 @@ class EagleDrafter:
             # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
             # each rank, including ranks this round's tree left out (path_offers).
             ranking = self.to_target_ids(last_logp.topk(min(RANKED, last_logp.shape[-1])).indices)  # (R,)
-            tree = self.grow(context[-1], last, last_logp)
-            return Draft(tree, tuple(ranking.tolist()))  # after the rerank brought the tree over: no extra wait
+            tree, grafted = self.grow(context[-1], last, last_logp, self.graft_chain(context))
+            return Draft(tree, tuple(ranking.tolist()), grafted=grafted)  # after the rerank brought the tree over: no extra wait
         return Draft(self.grow_static(context[-1], last, last_logp))
 
     def copy_round(self, context: list[int], features: torch.Tensor) -> Draft | None:
@@ -185,17 +186,32 @@ class EagleDrafter:
         self.head_len += K
         return out[-1], logp[0]
 
-    def grow(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
-        """EAGLE-2's dynamic tree from the root's head output and its log-probs (a chain for top_k 1),
-        or SpecExec's best-first tree (`best_first`: a slow target's big trees)."""
-        if self.tree.best_first:
-            return self.grow_best_first(root, root_out, root_logp)
-        if self.tree.top_k == 1:
-            return self.grow_chain(root, root_out, root_logp)
-        return self.grow_tree(root, root_out, root_logp)
+    def graft_chain(self, context: list[int]) -> list[int]:
+        """What the context's last 2-3 tokens were followed by earlier in it (prompt lookup), to graft
+        into an EAGLE-2 tree too big for a copy round (`copy_round`): where an answer quotes its
+        prompt or repeats itself, the copy runs on past the head's depth. Up to GRAFT_TOKENS, at most
+        half the tree's drafted nodes; none where copying is off or the tree is no EAGLE-2 tree."""
+        t = self.tree
+        if not t.copy or t.top_k == 1 or t.best_first or t.total_tokens <= t.copy + 1:
+            return []
+        found = self.lookup.continuations(context)
+        return found[0][: min(GRAFT_TOKENS, (t.total_tokens - 1) // 2)] if found else []
 
-    def grow_tree(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
-        """EAGLE-2's expand-then-rerank."""
+    def grow(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor,
+             chain: list[int]) -> tuple[DraftTree, tuple[int, ...]]:
+        """EAGLE-2's dynamic tree from the root's head output and its log-probs (a chain for top_k 1),
+        or SpecExec's best-first tree (`best_first`: a slow target's big trees); -> the tree and
+        the nodes a grafted `chain` added (EAGLE-2 trees only)."""
+        if self.tree.best_first:
+            return self.grow_best_first(root, root_out, root_logp), ()
+        if self.tree.top_k == 1:
+            return self.grow_chain(root, root_out, root_logp), ()
+        return self.grow_tree(root, root_out, root_logp, chain)
+
+    def grow_tree(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor,
+                  chain: list[int]) -> tuple[DraftTree, tuple[int, ...]]:
+        """EAGLE-2's expand-then-rerank, a copied `chain` grafted in before the rerank (Pool.graft);
+        -> the tree and the nodes the chain added, not the head's."""
         top_k, device = self.tree.top_k, root_out.device
         pool = Pool(root_logp, top_k, self.to_target_ids)
         parent_out = root_out[None].expand(top_k, -1)                           # (k, H)
@@ -205,7 +221,9 @@ class EagleDrafter:
             chosen_parent = pool.expand(logp)                                   # (k,) slots 0..k-1
             parent_out = out[chosen_parent]
             ancestors = torch.cat([ancestors[chosen_parent], torch.eye(top_k, dtype=torch.bool, device=device)], 1)
-        return pool.rerank(root, self.tree.total_tokens)
+        appended = pool.graft(chain)
+        tree = pool.rerank(root, self.tree.total_tokens)
+        return tree, tuple(node for node, new in zip(chain_nodes(tree, chain), appended) if new)
 
     def grow_best_first(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor) -> DraftTree:
         """SpecExec's tree (core/spec/specexec.py): the best total_tokens - 1 nodes by cumulative

@@ -13,6 +13,7 @@ Dimensions: N tree nodes, P root-to-leaf paths, D max depth, V vocabulary, k fro
 M drafted candidates in the rerank pool.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cache
@@ -67,6 +68,7 @@ class Draft:
     ranking: tuple[int, ...] | None = None
     side: SideRows | None = None
     copied: bool = False   # copied from the context, not the drafter's model: teaches its acceptance model and draft clock nothing
+    grafted: tuple[int, ...] = ()   # tree nodes copied from the context into a drafted tree (EagleDrafter.graft_chain)
 
     @property
     def rows(self) -> int:
@@ -200,6 +202,9 @@ def expand_frontier(frontier_scores: Tensor, child_logp: Tensor, top_k: int) -> 
     return Expansion(scores, tokens.flatten(), parent_slot, frontier)
 
 
+GRAFT_STEP = 1e-6   # score a grafted chain loses per level below its parent (Pool.graft)
+
+
 class Pool:
     """EAGLE-2's candidate pool, grown one expansion a level: every child's score, parent (pool index,
     -1 for the root's) and target token id, and the frontier (pool indices) to expand next."""
@@ -225,8 +230,42 @@ class Pool:
         self.frontier = base + expansion.frontier
         return expansion.parent_slot[expansion.frontier]
 
+    def graft(self, chain: Sequence[int]) -> list[bool]:
+        """Put a copied chain (target ids, prompt lookup's: core/spec/eagle.py) in the pool ahead of
+        every drafted candidate, so the rerank keeps it whatever the head scored it: where it runs
+        through candidates, their scores are raised; from where it leaves them, it is appended.
+        A chain node scores max(its own score, its parent's - GRAFT_STEP): never above its parent,
+        and above any candidate a head is less than ~1 - 1e-5 sure of. -> whether each chain token
+        was appended (no candidate of the head's)."""
+        scores, parents, tokens = (torch.cat(x).cpu() for x in (self.scores, self.parents, self.tokens))
+        scores, parents, tokens = scores.tolist(), parents.tolist(), tokens.tolist()
+        parent, parent_score, appended = -1, 0.0, []
+        for token in chain:
+            match = next((m for m, (p, t) in enumerate(zip(parents, tokens)) if p == parent and t == token), None)
+            appended.append(match is None)
+            if match is None:
+                match = len(scores)
+                scores.append(-math.inf)
+                parents.append(parent)
+                tokens.append(token)
+            scores[match] = max(scores[match], parent_score - GRAFT_STEP)
+            parent, parent_score = match, scores[match]
+        self.scores, self.parents, self.tokens = [torch.tensor(scores)], [torch.tensor(parents)], [torch.tensor(tokens)]
+        return appended
+
     def rerank(self, root_token: int, total_tokens: int) -> DraftTree:
         return rerank(torch.cat(self.scores), torch.cat(self.parents), torch.cat(self.tokens), root_token, total_tokens)
+
+
+def chain_nodes(tree: DraftTree, chain: Sequence[int]) -> list[int]:
+    """The tree's nodes along `chain` from the root, as far as the tree holds it."""
+    kids, tokens, nodes, node = children(tree), tree.tokens.tolist(), [], 0
+    for token in chain:
+        node = next((c for c in kids[node] if tokens[c] == token), None)
+        if node is None:
+            break
+        nodes.append(node)
+    return nodes
 
 
 def rerank(

@@ -130,8 +130,8 @@ def _along_path(tree: DraftTree, tokens: list[int], path: list[int], bonus: int,
     return Acceptance(nodes=nodes, path=tuple(path), new_tokens=[*(tokens[i] for i in path[1:]), bonus], margins=margins)
 
 
-def path_offers(tree: DraftTree, acceptance: Acceptance,
-                root_ranking: tuple[int, ...] | None = None) -> tuple[tuple[int, int], ...]:
+def path_offers(tree: DraftTree, acceptance: Acceptance, root_ranking: tuple[int, ...] | None = None,
+                grafted: tuple[int, ...] = ()) -> tuple[tuple[int, int], ...]:
     """What the drafter offered along the accepted path, for learning acceptance by rank (Sequoia).
 
     One (children, rank) pair per path node that had children, root first: how many children the
@@ -140,16 +140,17 @@ def path_offers(tree: DraftTree, acceptance: Acceptance,
     draft rank. The i-th pair is about depth i + 1. With `root_ranking` (R,), the drafter's best R
     root drafts whether the tree kept them or not, the first pair covers all R: the target's next
     token after the root is known, so every rank's acceptance is observed there, not only the kept.
+    The pairs stop before a `grafted` node on the path (copied, no rank of the drafter's).
     """
     kids, path = children(tree), acceptance.path
     if root_ranking is not None and kids[0]:
         taken = acceptance.new_tokens[0]
         first = (len(root_ranking), root_ranking.index(taken) if taken in root_ranking else -1)
-        return (first, *path_offers(tree, acceptance)[1:])
+        return (first, *path_offers(tree, acceptance, grafted=grafted)[1:])
     offers = []
     for depth, node in enumerate(path):
-        if not kids[node]:
-            break
         nxt = path[depth + 1] if depth + 1 < len(path) else None
+        if not kids[node] or nxt in grafted:
+            break
         offers.append((len(kids[node]), kids[node].index(nxt) if nxt is not None else -1))
     return tuple(offers)
