@@ -237,6 +237,8 @@ class Pool:
         A chain node scores max(its own score, its parent's - GRAFT_STEP): never above its parent,
         and above any candidate a head is less than ~1 - 1e-5 sure of. -> whether each chain token
         was appended (no candidate of the head's)."""
+        if not chain:
+            return []
         scores, parents, tokens = (torch.cat(x).cpu() for x in (self.scores, self.parents, self.tokens))
         scores, parents, tokens = scores.tolist(), parents.tolist(), tokens.tolist()
         parent, parent_score, appended = -1, 0.0, []
