@@ -146,6 +146,12 @@ class TreeConfig:
         if self.depth < 0 or self.top_k < 1 or self.total_tokens < 1 or self.copy < 0:
             raise ValueError(f"bad tree shape {self}")
 
+    @property
+    def copy_sized(self) -> bool:
+        """Copying is on and the tree is no bigger than a copied chain: a copy round may stand in for
+        it; a bigger tree takes the chain grafted in instead (core/spec/eagle.py)."""
+        return self.copy > 0 and self.total_tokens <= self.copy + 1
+
 
 @dataclass(frozen=True)
 class ModelChoice:

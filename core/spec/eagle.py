@@ -158,8 +158,7 @@ class EagleDrafter:
         # where verifying more tokens costs little (a GPU, an offloaded target's SpecExec trees), the
         # round's tree accepts more than a copy. Never for EAGLE-1's static tree, asked for as such.
         t = self.tree
-        small = t.total_tokens <= t.copy + 1 and self.static is None
-        if not t.copy or not small or features.shape[0] + t.copy + 1 > max(self.step.buckets):
+        if not t.copy_sized or self.static is not None or features.shape[0] + t.copy + 1 > max(self.step.buckets):
             return None
         found = self.lookup.continuations(context)
         if not found:
@@ -192,7 +191,7 @@ class EagleDrafter:
         prompt or repeats itself, the copy runs on past the head's depth. Up to GRAFT_TOKENS, at most
         half the tree's drafted nodes; none where copying is off or the tree is no EAGLE-2 tree."""
         t = self.tree
-        if not t.copy or t.top_k == 1 or t.best_first or t.total_tokens <= t.copy + 1:
+        if not t.copy or t.copy_sized or t.top_k == 1 or t.best_first:
             return []
         found = self.lookup.continuations(context)
         return found[0][: min(GRAFT_TOKENS, (t.total_tokens - 1) // 2)] if found else []
