@@ -57,7 +57,7 @@ def engine_spec(args: argparse.Namespace, **overrides):
     fields = dict(model=args.model, quant=args.quant, device=args.device, cache_dir=args.cache_dir, head=head, medusa=medusa,
                   allow_pickle=args.allow_pickle, strategy=getattr(args, "strategy", "auto"), tree=tree,
                   pins=Pins(static=static, **shape), vram_reserve_gb=args.vram_reserve, compile=not args.no_compile,
-                  attention=args.attention, kernel_mix=args.kernel_mix,
+                  attention=args.attention, kernel_mix=args.kernel_mix, draft_rows=args.draft_rows,
                   verify_delay_ms=getattr(args, "verify_delay_ms", 0.0))
     merged = {**fields, **overrides}
     # "none": no EAGLE head or Medusa heads, not even the model's shipped ones (the compile child is told so too)
@@ -189,7 +189,8 @@ def compile_command(spec, graphs: list[str]) -> list[str]:
     """`launch.py compile` for the model of an EngineSpec: a child that compiles the `graphs` named."""
     values = {"--model": spec.model, "--quant": spec.quant, "--device": spec.device, "--head": spec.head or "none",
               "--medusa": spec.medusa or "none",
-              "--cache-dir": spec.cache_dir, "--strategy": spec.strategy, "--attention": spec.attention}
+              "--cache-dir": spec.cache_dir, "--strategy": spec.strategy, "--attention": spec.attention,
+              "--draft-rows": spec.draft_rows}
     return [sys.executable, str(ROOT / "launch.py"), "compile", "--graphs", ",".join(graphs),
             *(str(x) for name, value in values.items() if value is not None for x in (name, value)),
             *(["--allow-pickle"] if spec.allow_pickle else []), *(["--kernel-mix"] if spec.kernel_mix else [])]
@@ -263,7 +264,8 @@ def server_command(args: argparse.Namespace, chats: Path) -> list[str]:
     its chats saved in `chats`."""
     values = {"--model": args.model, "--quant": args.quant, "--device": args.device, "--head": args.head,
               "--medusa": args.medusa, "--depth": args.depth, "--top-k": args.top_k, "--total-tokens": args.total_tokens,
-              "--cache-dir": args.cache_dir, "--vram-reserve": args.vram_reserve, "--attention": args.attention}
+              "--cache-dir": args.cache_dir, "--vram-reserve": args.vram_reserve, "--attention": args.attention,
+              "--draft-rows": args.draft_rows}
     flags = {"--allow-pickle": args.allow_pickle, "--static-tree": args.static_tree, "--no-compile": args.no_compile,
              "--kernel-mix": args.kernel_mix}
     return [sys.executable, str(ROOT / "launch.py"), "--no-browser", "--host", "127.0.0.1", "--chats", str(chats),

@@ -7,6 +7,8 @@ from models.quants import QUANTS  # noqa: F401  (re-exported for app/, which imp
 
 # Every drafter by name (core/spec/), cheapest first: what --strategy, the API's aerie.strategy and the bench accept.
 DRAFTERS = ("plain", "prompt_lookup", "lookahead", "layer_skip", "medusa", "eagle")
+# Which rows of an EAGLE-1 head's draft vocabulary it drafts from (--draft-rows; core/service/drafters.py narrow_rows).
+DRAFT_ROWS = ("auto", "narrow", "wide")
 # The drafters' names (ReplyStats.strategy) as people read them, the one place they are worded: the page's
 # stats line ends with one (app/answers.py), and bench --page reads it back (core/served_page.py).
 STRATEGY_LABELS = {"plain": "plain decoding", "prompt_lookup": "prompt lookup", "lookahead": "lookahead",

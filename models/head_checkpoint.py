@@ -96,23 +96,33 @@ def save_head(head: EagleHead, out_dir, dtype: torch.dtype = torch.float16) -> N
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # Aerie's addition to an EAGLE-1 head; vLLM and SGLang ignore it
+NARROW_KEY = "narrow_ids"   # the file's rows for a CPU, where present
 
 
-def save_draft_vocab(out_dir, token_ids: torch.Tensor) -> None:
+def save_draft_vocab(out_dir, token_ids: torch.Tensor, narrow_ids: torch.Tensor | None = None) -> None:
     """The target ids an EAGLE-1 head drafts from (ascending): its LM-head rows are then the only
-    ones read each draft step, like EAGLE-3's reduced vocabulary but without retraining."""
-    save_file({"token_ids": token_ids.to(torch.int64).sort().values.contiguous()}, str(Path(out_dir) / DRAFT_VOCAB_FILE))
+    ones read each draft step, like EAGLE-3's reduced vocabulary but without retraining. `narrow_ids`
+    (a subset) are the rows drafted where each row read costs time, a CPU (`load_draft_vocab`)."""
+    tensors = {"token_ids": token_ids.to(torch.int64).sort().values.contiguous()}
+    if narrow_ids is not None:
+        tensors[NARROW_KEY] = narrow_ids.to(torch.int64).sort().values.contiguous()
+    save_file(tensors, str(Path(out_dir) / DRAFT_VOCAB_FILE))
 
 
-def load_draft_vocab(source: str, vocab_size: int) -> torch.Tensor | None:
-    """The head folder's draft vocabulary, or None when it has none (then the full vocabulary)."""
+def load_draft_vocab(source: str, vocab_size: int, narrow: bool = False) -> torch.Tensor | None:
+    """The head folder's draft vocabulary, or None when it has none (then the full vocabulary).
+    `narrow`: its narrow subset where the file has one (else the same ids)."""
     path = Path(source).expanduser() / DRAFT_VOCAB_FILE
     if not path.is_file():
         return None
-    ids = load_file(str(path))["token_ids"]
+    tensors = load_file(str(path))
+    ids = tensors["token_ids"]
     if ids.ndim != 1 or len(ids) == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise HeadMismatchError(f"{path} lists token ids outside this model's vocabulary of {vocab_size}.")
-    return ids
+    subset = tensors.get(NARROW_KEY)
+    if subset is not None and (subset.ndim != 1 or len(subset) == 0 or not bool(torch.isin(subset, ids).all())):
+        raise HeadMismatchError(f"{path}: its {NARROW_KEY} are not a subset of its token_ids.")
+    return subset if narrow and subset is not None else ids
 
 
 def head_training_record(source: str | None) -> dict:

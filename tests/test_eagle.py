@@ -191,6 +191,28 @@ def test_a_draft_vocabulary_restricts_drafts_and_stays_lossless(tmp_path):
     assert all(t % 2 == 0 for t in tree.tokens[1:].tolist())
 
 
+def test_a_draft_vocabulary_names_its_narrow_rows_for_a_cpu(tmp_path):
+    """A draft vocabulary with a narrow subset: a CPU drafts from it by default, a GPU from all of it
+    (--draft-rows picks either anywhere); one without drafts from its one set everywhere."""
+    from core.errors import HeadMismatchError, UnsupportedModelError
+    from core.service.drafters import narrow_rows
+    from models.head_checkpoint import load_draft_vocab, save_draft_vocab
+
+    save_draft_vocab(tmp_path, torch.arange(0, 256, 2), torch.tensor([8, 0, 4]))
+    assert load_draft_vocab(str(tmp_path), 256).tolist() == list(range(0, 256, 2))
+    assert load_draft_vocab(str(tmp_path), 256, narrow=True).tolist() == [0, 4, 8]
+    save_draft_vocab(tmp_path, torch.arange(0, 256, 2))
+    assert load_draft_vocab(str(tmp_path), 256, narrow=True).tolist() == list(range(0, 256, 2))
+    save_draft_vocab(tmp_path, torch.arange(0, 256, 2), torch.tensor([0, 3]))
+    with pytest.raises(HeadMismatchError, match="not a subset"):
+        load_draft_vocab(str(tmp_path), 256, narrow=True)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert narrow_rows("auto", cpu) and not narrow_rows("auto", gpu)
+    assert narrow_rows("narrow", gpu) and not narrow_rows("wide", cpu)
+    with pytest.raises(UnsupportedModelError, match="--draft-rows 'all'"):
+        narrow_rows("all", cpu)
+
+
 def test_a_draft_vocabulary_out_of_range_is_refused(tmp_path):
     from core.errors import HeadMismatchError
     from models.head_checkpoint import load_draft_vocab, save_draft_vocab
@@ -208,13 +230,15 @@ def test_the_shipped_head_is_lossless_and_accepts(embedded_target):
     from tests.conftest import ROOT_ASSETS
 
     shipped = ROOT_ASSETS / "heads" / "smollm2-135m-instruct"
-    drafter = make_drafter(embedded_target, EngineSpec(head=str(shipped)))
-    assert drafter.name == "eagle" and drafter.vocab_ids is not None
     prompt = render_prompt(embedded_target.tokenizer, [{"role": "user", "content": "Give me three tips for better sleep."}])
     plain = run(Engine(embedded_target), prompt, SamplingConfig(max_new_tokens=40))
-    steps = list(Engine(embedded_target, drafter).generate(prompt, SamplingConfig(max_new_tokens=40)))
-    assert [t for s in steps for t in s.new_ids] == plain
-    assert len(plain) / len(steps) > 1.2  # a trained head: well above one token per target forward
+    # A CPU drafts from the draft vocabulary's narrow rows by default, a GPU (or --draft-rows wide) from all.
+    for rows, drafted_from in (("auto", 8192), ("wide", 16384)):
+        drafter = make_drafter(embedded_target, EngineSpec(head=str(shipped), draft_rows=rows))
+        assert drafter.name == "eagle" and drafter.draft_rows == drafted_from
+        steps = list(Engine(embedded_target, drafter).generate(prompt, SamplingConfig(max_new_tokens=40)))
+        assert [t for s in steps for t in s.new_ids] == plain
+        assert len(plain) / len(steps) > 1.2  # a trained head: well above one token per target forward
 
 
 @pytest.mark.parametrize("shape", [TreeConfig(0, 1, 2), TreeConfig(3, 1, 5), TreeConfig(4, 1, 3), TreeConfig(2, 1, 9)])

@@ -109,14 +109,14 @@ def test_api_key_is_required_beyond_this_machine():
 def test_bench_serve_starts_a_local_server_on_the_benchs_model():
     launch = load_launcher()
     args = launch.parse_args(["--model", "org/m", "--quant", "int8", "--top-k", "2", "--no-compile", "--serve",
-                              "--cache-dir", "/c"], bench=True)
+                              "--cache-dir", "/c", "--draft-rows", "wide"], bench=True)
     command = launch.server_command(args, Path("/t/chats.sqlite3"))
     # its chats apart from the user's: the page's prompts stay out of the user's chat list
     assert command[1:7] == [str(ROOT / "launch.py"), "--no-browser", "--host", "127.0.0.1", "--chats", "/t/chats.sqlite3"]
     flags = command[7:]
     pairs = dict(zip(flags[:-1:2], flags[1::2]))
-    assert {k: pairs[k] for k in ("--model", "--quant", "--top-k", "--cache-dir")} == {
-        "--model": "org/m", "--quant": "int8", "--top-k": "2", "--cache-dir": "/c"}
+    assert {k: pairs[k] for k in ("--model", "--quant", "--top-k", "--cache-dir", "--draft-rows")} == {
+        "--model": "org/m", "--quant": "int8", "--top-k": "2", "--cache-dir": "/c", "--draft-rows": "wide"}
     assert flags[-1] == "--no-compile" and "--depth" not in flags and "--static-tree" not in flags
     assert launch.parse_args(["--no-browser", *flags]).quant == "int8"  # the app's parser takes every flag
 

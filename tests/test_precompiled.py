@@ -186,19 +186,21 @@ def test_buckets_share_graphs_except_one_and_across_kernel_edges():
     assert row_groups((4,)) == [(4,)] and row_groups((1,)) == [(1,)]
 
 
-def test_a_new_graphs_version_gets_a_new_folder(model, tmp_path, monkeypatch):
+def test_a_new_graphs_version_or_draft_vocabulary_gets_a_new_folder(model, tmp_path, monkeypatch):
     """Bumping GRAPHS_VERSION must move the graphs (it was overwritten by the kernel key's own
-    "version", so graphs compiled by older code were loaded as they were)."""
+    "version", so graphs compiled by older code were loaded as they were); so must another count of
+    draft rows (--draft-rows), which the head step's graph scores."""
     import core.service.factory as factory
     from core.service.spec import EngineSpec
 
     runner, _ = runner_and_drafter(model)
     engine = SimpleNamespace(runner=runner, target=runner.target)
     spec = EngineSpec(cache_dir=tmp_path)
-    first = factory.graph_folder(spec, engine, None)
-    assert factory.graph_folder(spec, engine, None) == first
+    first = factory.graph_folder(spec, engine, None, 96)
+    assert factory.graph_folder(spec, engine, None, 96) == first
+    assert factory.graph_folder(spec, engine, None, 128) != first
     monkeypatch.setattr(factory, "GRAPHS_VERSION", factory.GRAPHS_VERSION + 1)
-    assert factory.graph_folder(spec, engine, None) != first
+    assert factory.graph_folder(spec, engine, None, 96) != first
 
 
 def test_a_latency_profile_is_keyed_by_the_graphs_and_kernel_rules_it_timed(monkeypatch):

@@ -106,6 +106,9 @@ def test_eagle1_trains_on_the_draft_vocabulary_it_drafts_from(model, answers, tm
                  tmp_path / "wide")
     widened = load_draft_vocab(str(tmp_path / "wide"), 256)
     assert wide["draft_vocab"] == 120 and len(widened) == 120 and set(vocab.tolist()) <= set(widened.tolist())
+    # ... and names the rows it drafted from before as its narrow ones (a CPU's); the same size names none.
+    assert wide["narrow_vocab"] == 96 and torch.equal(load_draft_vocab(str(tmp_path / "wide"), 256, narrow=True), vocab)
+    assert torch.equal(load_draft_vocab(str(tmp_path / "warm"), 256, narrow=True), vocab)
     added = set(widened.tolist()) - set(vocab.tolist())
     counted = Counter(t for c in conversations(tiny_target(model), few)[0] for t in c.answer_ids)
     left = [counted[t] for t in range(256) if t not in vocab.tolist() and t not in added]

@@ -157,7 +157,9 @@ def stage(spec: EngineSpec, probe: Probe | None = None, report=print) -> Staged:
     # Built here, on the thread that runs torch: a job's example inputs are tensors (core/service/warmup.py).
     jobs = runner.graph_jobs(kernel_edges(kernels) if kernels else ())
     jobs += drafters["eagle"].graph_jobs() if "eagle" in drafters else []
-    return Staged(spec, engine, drafters, placement, onednn, kernels, graph_folder(spec, engine, kernels), tuple(jobs))
+    draft_rows = drafters["eagle"].draft_rows if "eagle" in drafters else None
+    folder = graph_folder(spec, engine, kernels, draft_rows)
+    return Staged(spec, engine, drafters, placement, onednn, kernels, folder, tuple(jobs))
 
 
 def compile_graphs(staged: Staged, report=print) -> float:
@@ -207,6 +209,8 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
     sizes = SIZES + tuple(n for n in LARGE_SIZES[len(SIZES):] if n <= engine.context_len // 2) if slow else SIZES
     if slow:
         used += f", sizes to {sizes[-1]}" + (f", verify delay {spec.verify_delay_ms:g} ms" if spec.verify_delay_ms else "")
+    if "eagle" in drafters:   # a head step's cost grows with the rows it scores (--draft-rows)
+        used += f", {drafters['eagle'].draft_rows} draft rows"
     key = profile_key(engine, spec.head, used, offloaded)
     profile, cached = cached_profile(spec.cache_dir, key, lambda: measure_profile(engine, sizes),
                                      lambda stored: profile_mismatch(engine, stored))
@@ -230,14 +234,15 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
     return Loaded(engine, tuner, staged.placement, staged.onednn, cached, compile_s, staged.kernels)
 
 
-def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None) -> Path:
+def graph_folder(spec: EngineSpec, engine: Engine, kernels: KernelChoice | None, draft_rows: int | None) -> Path:
     """Where a CPU's precompiled graphs for this engine live: one folder per everything a graph's
-    code depends on (the machine, torch, the model's shapes and kernels, the head, the buckets)."""
+    code depends on (the machine, torch, the model's shapes and kernels, the head and the draft
+    vocabulary rows it scores, the buckets)."""
     runner = engine.runner
     key = {"graphs_version": GRAPHS_VERSION, **machine_key(), "model": str(engine.target.model.config.name_or_path),
            "quant": engine.target.quant, "dtype": str(engine.target.dtype),
            "kernels": {"edges": kernel_edges(kernels), "head": kernels.head, "kernel": kernels.target.kernel} if kernels else None,
-           "head": head_identity(spec.head) if runner.feature_layers else None,
+           "head": head_identity(spec.head) if runner.feature_layers else None, "draft_rows": draft_rows,
            "attention": attention.source_digest(cpu_flags()) if runner.row_attention else "sdpa",
            "kv": str(runner.cache.layers[0].keys.dtype), "kv_values": str(runner.cache.layers[0].values.dtype),
            "buckets": list(runner.buckets), "capacity": runner.capacity,

@@ -29,6 +29,7 @@ class EngineSpec:
     attention: str = "auto"
     kernel_mix: bool = False          # trees may run on another 4-bit kernel than one token (--kernel-mix)
     verify_delay_ms: float = 0.0      # a simulated slow target (bench --verify-delay-ms): SpecExec's regime on a CPU
+    draft_rows: str = "auto"          # an EAGLE-1 head's draft vocabulary: narrow, wide, auto = narrow on a CPU (DRAFT_ROWS)
 
 
 def resolved_strategy(spec: EngineSpec) -> str:

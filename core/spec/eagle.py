@@ -292,6 +292,11 @@ class EagleDrafter:
         """The head step's row counts that run as graphs (for every feature width); () while it runs eagerly."""
         return tuple(rows for rows in self.step.buckets if all(self.step.has_graph(rows, w) for w in self.feature_widths))
 
+    @property
+    def draft_rows(self) -> int:
+        """Vd: the draft vocabulary's size, the LM-head rows each head step reads."""
+        return self.head.config.draft_vocab_size if self.vocab_ids is None else len(self.vocab_ids)
+
     def cache_bytes(self) -> int:
         return self.step.nbytes()
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from core.files import written_whole
 from core.train.data import (Batch, DataConfig, FeatureSet, TrainDataError, capture, length_batches,
                              load_conversations, make_batch, split, training_sets)
-from core.train.losses import (OBJECTIVES, DraftVocab, LossWeights, chain_hits, draft_vocab, losses, new_head,
+from core.train.losses import (OBJECTIVES, DraftVocab, LossWeights, chain_hits, draft_vocab, losses, narrow_vocab, new_head,
                                start_fc_norm, unroll, warm_start)
 from models.errors import AerieError, UnsupportedModelError
 from models.head_checkpoint import load_draft_vocab, save_draft_vocab, save_head
@@ -314,8 +314,10 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
                     cfg.fc_norm)
     # On resume the checkpoint holds the warm-started weights; checked before the capture's minutes.
     gained_norms = warm_start(head, target.model, cfg.init_head) if cfg.init_head and not resume else False
-    kept = load_draft_vocab(cfg.init_head, head.config.vocab_size) if cfg.init_head else None
-    vocab = draft_vocab(head, [c.answer_ids for c in train_convs], kept, cfg.draft_vocab)
+    V, answers = head.config.vocab_size, [c.answer_ids for c in train_convs]
+    kept = load_draft_vocab(cfg.init_head, V) if cfg.init_head else None
+    vocab = draft_vocab(head, answers, kept, cfg.draft_vocab)
+    narrow = narrow_vocab(vocab.ids, load_draft_vocab(cfg.init_head, V, narrow=True) if cfg.init_head else None, answers, V)
     layers = head.feature_layers(target.model.config.get_text_config().num_hidden_layers)
     folder = data.features_dir or out / "features"
     train_paths, cap_train = capture(target, train_convs, layers, data, folder, "train")
@@ -330,8 +332,9 @@ def train(target: Target, data: DataConfig, cfg: TrainConfig, out: Path, resume:
                              [p.stem for p in train_paths], deadline)
     save_head(head, out)
     if vocab.ids is not None:  # eagle1 over a big vocabulary: the tokens it trained (and drafts) on
-        save_draft_vocab(out, vocab.ids.cpu())
+        save_draft_vocab(out, vocab.ids.cpu(), None if narrow is None else narrow.cpu())
     summary = {"out": str(out), "kind": cfg.kind, "draft_vocab": cfg.draft_vocab if vocab.ids is None else len(vocab.ids),
+               "narrow_vocab": None if narrow is None else len(narrow),
                "objective": cfg.objective, "replay": cfg.replay, "flattest": cfg.flattest,
                "fc_norm": cfg.fc_norm, "amp": cfg.amp, "capture_linear": data.linear, "finished": finished, "dropped_benchmark_prompts": dropped,
                "train_conversations": len(train_convs), **run_numbers(trainset, valset, cap_train, cap_val, progress),

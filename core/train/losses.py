@@ -185,6 +185,17 @@ def frequent_vocab(lm_head: torch.Tensor, answers: list[tuple[int, ...]], kept: 
     return DraftVocab(column_index(ids, V), ids, lm_head[ids].detach())
 
 
+def narrow_vocab(ids: torch.Tensor | None, kept_narrow: torch.Tensor | None, answers: list[tuple[int, ...]],
+                 vocab_size: int) -> torch.Tensor | None:
+    """The rows of a draft vocabulary `ids` (Vd,) a CPU drafts from (models/head_checkpoint.py): a warm
+    start's own narrow rows (its whole draft vocabulary where it named none), else the EAGLE1_DRAFT_VOCAB
+    most frequent answer tokens (a prefix of the ranking `ids` came from); None where that is all of `ids`."""
+    if ids is None:
+        return None
+    narrow = kept_narrow if kept_narrow is not None else frequent_tokens(answers, vocab_size, min(EAGLE1_DRAFT_VOCAB, len(ids)))
+    return narrow if len(narrow) < len(ids) else None
+
+
 def column_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(Vd,) target ids -> (V,) their column, -1 for the rest."""
     index = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)

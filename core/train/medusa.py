@@ -80,8 +80,9 @@ def medusa_evaluate(heads: MedusaHeads, valset: FeatureSet, vocab: DraftVocab, p
 
 def medusa_vocab(lm_head: torch.Tensor, answers: list[tuple[int, ...]], eagle_head: str | None) -> DraftVocab:
     """The EAGLE-1 head's draft vocabulary if one is named (it must have one where the vocabulary is
-    bigger than EAGLE1_DRAFT_VOCAB), else the most frequent answer tokens (losses.frequent_vocab)."""
-    kept = load_draft_vocab(eagle_head, lm_head.shape[0]) if eagle_head else None
+    bigger than EAGLE1_DRAFT_VOCAB; its narrow rows where it names some: Medusa drafts on a CPU too),
+    else the most frequent answer tokens (losses.frequent_vocab)."""
+    kept = load_draft_vocab(eagle_head, lm_head.shape[0], narrow=True) if eagle_head else None
     if eagle_head and kept is None and lm_head.shape[0] > EAGLE1_DRAFT_VOCAB:
         raise TrainDataError(f"--head {eagle_head} has no draft vocabulary (draft_vocab.safetensors) for the Medusa heads "
                              "to share; name an EAGLE-1 head folder that has one, or --head none for the frequent answer tokens.")
