@@ -252,6 +252,8 @@ def bench(spec: EngineSpec, prompts_path: Path, limit: int | None, max_new: int,
                          "measured_s": round(tuner.profile.measured_s, 2)}
     if "eagle" in results:
         report["strategies"]["eagle"]["plan"] = tuner.plan(len(all_ids[-1])).reason
+    if "eagle" in tuner.drafters:   # the draft vocabulary's rows it scored (--draft-rows)
+        report["draft_rows"] = tuner.drafters["eagle"].draft_rows
     if slow:
         report["simulated_slow_target"] = {
             "verify_delay_ms": spec.verify_delay_ms,

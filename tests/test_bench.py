@@ -22,6 +22,8 @@ def test_bench_reports_every_strategy(tiny_dir, cache_dir, capsys):
     assert s["eagle_default_tree"]["tree"] == {"depth": 6, "top_k": 10, "total_tokens": 60}
     assert s["eagle"]["trees_used"] == {"d2k3n6": 3}  # the tuner kept the pinned shape for every prompt
     assert "depth 2, top-k 3, 6 tokens" in s["eagle"]["plan"]
+    vocab = json.loads((tiny_dir / "config.json").read_text())["vocab_size"]
+    assert report["draft_rows"] == vocab   # a random head has no draft vocabulary: it scores the whole one
     assert all(e["lossless"] for e in s.values())
     assert s["plain"]["accept_len"] == 1.0 and s["plain"]["speedup_vs_plain"] == 1.0
     assert s["eagle"]["tree"] == {"depth": 2, "top_k": 3, "total_tokens": 6}
