@@ -18,7 +18,7 @@ from core.tune.budget import (GIB, MemoryBudgetError, ModelShape, Placement, lar
                               target_kv_per_token, tree_bytes)
 from core.runtime.cpu_linear import accelerate_cpu
 from core.service.drafters import (layer_skip_drafter, lookahead_drafter, lookup_rival, make_drafter, medusa_drafter,
-                                   medusa_rival)
+                                   medusa_rival, narrow_rows)
 from core.service.spec import EngineSpec, resolved_strategy
 from core.service.warmup import Pending
 from core.runtime.graphs import GraphJob, build, compiled_all
@@ -296,6 +296,7 @@ def cpu_kernels(target: Target, spec: EngineSpec, strategy: str, report=print, r
     attention runs on the row kernel (`row_attention`), as the timed verifies do."""
     key = {**machine_key(), "model": str(target.model.config.name_or_path), "quant": target.quant,
            "head": head_identity(spec.head) if strategy == "eagle" else None, "amx_kernel": amx.source_digest(),
+           "narrow_rows": narrow_rows(spec.draft_rows, target.device) if strategy == "eagle" else None,   # the timed head's rows
            "q4_rows": q4_rows.source_digest(cpu_flags()),
            "mix": spec.kernel_mix,
            "attention": attention.source_digest(cpu_flags()) if rows else "sdpa"}
