@@ -36,9 +36,9 @@ def parse_args(argv: list[str], bench: bool = False) -> argparse.Namespace:
     p.add_argument("--total-tokens", type=positive, help="EAGLE tree: tokens verified per round, root included (default: the tuner's choice)")
     p.add_argument("--static-tree", action="store_true", help="EAGLE-1's fixed 26-node tree (mc_sim_7b_63) instead of the dynamic one")
     p.add_argument("--draft-rows", choices=DRAFT_ROWS, default="auto",
-                   help="an EAGLE-1 head whose draft vocabulary names a narrow subset (the embedded model's: 8,192 of its 16,384 "
-                        "tokens) drafts from: narrow, wide, or auto = narrow on a CPU, where every row a head step scores is read "
-                        "from memory, wide on a GPU. The target verifies either way: the answer is the same")
+                   help="which rows of an EAGLE-1 head's draft vocabulary it drafts from, where the head names a narrow subset "
+                        "(the shipped head: 8,192 of 16,384): narrow, wide, or auto = narrow on a CPU (every row a draft step "
+                        "scores is read from memory), wide on a GPU. The answer is the same either way")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="where converted and downloaded models live")
     p.add_argument("--vram-reserve", type=float, default=0.5, metavar="GB",
                    help="GPU memory (GiB) to leave to other programs; a model that does not fit beside it is partly offloaded to RAM")

@@ -121,6 +121,15 @@ def test_bench_serve_starts_a_local_server_on_the_benchs_model():
     assert launch.parse_args(["--no-browser", *flags]).quant == "int8"  # the app's parser takes every flag
 
 
+def test_the_compile_child_gets_the_draft_rows_its_parent_drafts_from():
+    """The child compiles the head step's graphs over the draft rows the app will score."""
+    launch = load_launcher()
+    spec = launch.engine_spec(launch.parse_args(["--draft-rows", "wide", "--head", "none"]))
+    command = launch.compile_command(spec, ["head-1x576"])
+    assert command[command.index("--draft-rows") + 1] == "wide"
+    assert launch.parse_args(command[command.index("--graphs") + 2:]).draft_rows == "wide"
+
+
 def test_a_missing_head_folder_is_told_before_the_model_loads(embedded_dir, cache_dir, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "XDG_DATA_HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--no-browser", "--no-compile", "--cache-dir",

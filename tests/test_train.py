@@ -101,14 +101,16 @@ def test_eagle1_trains_on_the_draft_vocabulary_it_drafts_from(model, answers, tm
           tmp_path / "warm")
     assert torch.equal(load_draft_vocab(str(tmp_path / "warm"), 256), vocab)
     # --draft-vocab widens it: every token it learned, then the most frequent of its training answers not among them.
+    monkeypatch.setattr("core.train.losses.EAGLE1_DRAFT_VOCAB", 96)
     few = data(answers, tmp_path, max_tokens=200)
     wide = train(tiny_target(model), few, replace(CFG, epochs=1, init_head=str(tmp_path / "head"), draft_vocab=120),
                  tmp_path / "wide")
     widened = load_draft_vocab(str(tmp_path / "wide"), 256)
     assert wide["draft_vocab"] == 120 and len(widened) == 120 and set(vocab.tolist()) <= set(widened.tolist())
-    # ... and names the rows it drafted from before as its narrow ones (a CPU's); the same size names none.
+    # ... and names the rows it drafted from before as its narrow ones (a CPU's).
     assert wide["narrow_vocab"] == 96 and torch.equal(load_draft_vocab(str(tmp_path / "wide"), 256, narrow=True), vocab)
-    assert torch.equal(load_draft_vocab(str(tmp_path / "warm"), 256, narrow=True), vocab)
+    narrow = load_draft_vocab(str(tmp_path / "warm"), 256, narrow=True)   # 96 rows where 48 is the default: 48 named narrow
+    assert len(narrow) == 48 and set(narrow.tolist()) <= set(vocab.tolist())
     added = set(widened.tolist()) - set(vocab.tolist())
     counted = Counter(t for c in conversations(tiny_target(model), few)[0] for t in c.answer_ids)
     left = [counted[t] for t in range(256) if t not in vocab.tolist() and t not in added]
@@ -357,3 +359,16 @@ def test_unroll_step_j_is_the_drafters_depth_j(model, kind):
         for j in (1, 2):
             out, _ = drafter.feed_frontier(ids[0, t + 1 + j: t + 2 + j], out, torch.ones(1, j, dtype=torch.bool), j - 1)
             torch.testing.assert_close(out[0], outs[j][0, t])
+
+
+def test_a_wide_draft_vocabulary_names_the_rows_a_cpu_drafts_from(monkeypatch):
+    """narrow_vocab: a warm start's narrow rows where they are few enough, else the most frequent
+    answer tokens among the vocabulary's own; none where they would be all of it."""
+    from core.train.losses import narrow_vocab
+
+    monkeypatch.setattr("core.train.losses.EAGLE1_DRAFT_VOCAB", 2)
+    ids, answers = torch.tensor([1, 3, 5, 7]), [(7, 7, 5, 9, 9, 9), (5, 7, 1)]
+    assert narrow_vocab(ids, torch.tensor([1, 3]), answers, 10).tolist() == [1, 3]
+    assert sorted(narrow_vocab(ids, None, answers, 10).tolist()) == [5, 7]     # 9 is frequent but not drafted from
+    assert sorted(narrow_vocab(ids, ids[:3], answers, 10).tolist()) == [5, 7]  # a warm start's 3 rows: too many
+    assert narrow_vocab(torch.tensor([5, 7]), None, answers, 10) is None and narrow_vocab(None, None, answers, 10) is None

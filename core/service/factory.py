@@ -220,7 +220,7 @@ def tune(staged: Staged, probe: Probe | None = None, compile_s: float = 0.0) -> 
     acceptance, keeper = PositionalAcceptance(prior_table(alphas)), None
     if "eagle" in drafters:   # what earlier sessions' chats taught this head, and where this one's goes
         path = acceptance_path(spec.cache_dir, {"model": str(target.model.config.name_or_path), "quant": target.quant,
-                                                "head": head_identity(spec.head)})
+                                                "head": head_identity(spec.head), "draft_rows": drafters["eagle"].draft_rows})
         acceptance, keeper = recall(path, acceptance.prior), functools.partial(keep, path)
     if spec.strategy == "layer_skip":   # measured on first use only: a minute on 2 cores for the embedded model
         drafters["layer_skip"] = layer_skip_drafter(engine, profile, spec.cache_dir)

@@ -89,6 +89,11 @@ def start_fc_norm(head: EagleHead, input_rms: tuple[float, float]) -> None:
         norm.weight.fill_(rms)
 
 
+def answer_counts(answers: list[tuple[int, ...]], vocab_size: int) -> torch.Tensor:
+    """(V,) how often each token occurs in the answers."""
+    return torch.bincount(torch.tensor([t for a in answers for t in a], dtype=torch.long), minlength=vocab_size)
+
+
 def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int,
                     kept: torch.Tensor | None = None) -> torch.Tensor:
     """`kept` (none by default) and the most frequent answer tokens not in it, n ids in all, ascending
@@ -98,8 +103,7 @@ def frequent_tokens(answers: list[tuple[int, ...]], vocab_size: int, n: int,
         raise ValueError(f"--draft-vocab {n} is below the {len(kept)} tokens the warm-started head drafts from.")
     if n == len(kept):   # no count needed: a warm start's own vocabulary, as it was
         return kept.sort().values
-    counts = torch.bincount(torch.tensor([t for a in answers for t in a], dtype=torch.long), minlength=vocab_size)
-    ranked = torch.argsort(-counts, stable=True)
+    ranked = torch.argsort(-answer_counts(answers, vocab_size), stable=True)
     fresh = ranked[~torch.isin(ranked, kept)][:n - len(kept)]
     return torch.cat([kept, fresh]).sort().values
 
@@ -188,11 +192,15 @@ def frequent_vocab(lm_head: torch.Tensor, answers: list[tuple[int, ...]], kept: 
 def narrow_vocab(ids: torch.Tensor | None, kept_narrow: torch.Tensor | None, answers: list[tuple[int, ...]],
                  vocab_size: int) -> torch.Tensor | None:
     """The rows of a draft vocabulary `ids` (Vd,) a CPU drafts from (models/head_checkpoint.py): a warm
-    start's own narrow rows (its whole draft vocabulary where it named none), else the EAGLE1_DRAFT_VOCAB
-    most frequent answer tokens (a prefix of the ranking `ids` came from); None where that is all of `ids`."""
+    start's narrow rows (`kept_narrow`: those it names, else its whole draft vocabulary) where they are
+    no more than EAGLE1_DRAFT_VOCAB, else the EAGLE1_DRAFT_VOCAB most frequent answer tokens among `ids`;
+    None where that is all of `ids`."""
     if ids is None:
         return None
-    narrow = kept_narrow if kept_narrow is not None else frequent_tokens(answers, vocab_size, min(EAGLE1_DRAFT_VOCAB, len(ids)))
+    narrow = kept_narrow
+    if narrow is None or len(narrow) > EAGLE1_DRAFT_VOCAB:
+        counts = answer_counts(answers, vocab_size)[ids.cpu()]       # (Vd,)
+        narrow = ids[torch.argsort(-counts, stable=True)[:EAGLE1_DRAFT_VOCAB].to(ids.device)]
     return narrow if len(narrow) < len(ids) else None
 
 
