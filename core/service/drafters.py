@@ -46,11 +46,11 @@ def default_tree(device: torch.device) -> TreeConfig:
 def narrow_rows(draft_rows: str, device: torch.device) -> bool:
     """Whether an EAGLE-1 head drafts from its draft vocabulary's narrow rows (models/head_checkpoint.py).
     auto: on a CPU, whose head step reads every row from memory: the shipped head's 8,192 wide-only
-    int8 rows cost ~0.13 ms a step there (2-core EPYC), ~2.6% of a one-token round, and add 0.4%
-    accepted tokens at the one-token draft its tuner picks (1.641 against 1.634 on MT-bench); the tuned
-    EAGLE ran 1.155x plain narrow and 1.139x wide (alternated, head README). A GPU's head step is bound by its kernel launches, not its bytes (16,384 bf16 rows are
-    19 MB: ~6 us at an H100's 3.3 TB/s), so there the wide rows' better drafts come free.
-    """
+    rows (in the head's small CPU weights) cost ~0.13 ms a step on the 2-core EPYC, ~2.6% of a one-token
+    round, for 0.4% more accepted tokens at the one-token draft its tuner picks (1.641 against 1.634 on
+    MT-bench), and the tuned EAGLE ran 1.155x plain narrow, 1.139x wide (alternated; head README). A
+    GPU's head step is bound by its kernel launches, not its bytes (16,384 bf16 rows are 19 MB: ~6 us
+    at an H100's 3.3 TB/s), so there the wide rows' better drafts come free."""
     if draft_rows not in DRAFT_ROWS:
         raise UnsupportedModelError(f"Unknown --draft-rows '{draft_rows}': choose one of {', '.join(DRAFT_ROWS)}.")
     return draft_rows == "narrow" or (draft_rows == "auto" and device.type == "cpu")
