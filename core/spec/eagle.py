@@ -144,7 +144,7 @@ class EagleDrafter:
             # The root's best RANKED drafts, tree or not: the tuner learns how often the target picks
             # each rank, including ranks this round's tree left out (path_offers).
             ranking = self.to_target_ids(last_logp.topk(min(RANKED, last_logp.shape[-1])).indices)  # (R,)
-            tree, grafted = self.grow(context[-1], last, last_logp, self.graft_chain(context))
+            tree, grafted = self.grow(context, last, last_logp)
             return Draft(tree, tuple(ranking.tolist()), grafted=grafted)  # after the rerank brought the tree over: no extra wait
         return Draft(self.grow_static(context[-1], last, last_logp))
 
@@ -189,23 +189,24 @@ class EagleDrafter:
         """What the context's last 2-3 tokens were followed by earlier in it (prompt lookup), to graft
         into an EAGLE-2 tree too big for a copy round (`copy_round`): where an answer quotes its
         prompt or repeats itself, the copy runs on past the head's depth. Up to GRAFT_TOKENS, at most
-        half the tree's drafted nodes; none where copying is off or the tree is no EAGLE-2 tree."""
+        half the tree's drafted nodes; none where copying is off."""
         t = self.tree
-        if not t.copy or t.copy_sized or t.top_k == 1 or t.best_first:
+        if not t.copy or t.copy_sized:
             return []
         found = self.lookup.continuations(context)
         return found[0][: min(GRAFT_TOKENS, (t.total_tokens - 1) // 2)] if found else []
 
-    def grow(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor,
-             chain: list[int]) -> tuple[DraftTree, tuple[int, ...]]:
-        """EAGLE-2's dynamic tree from the root's head output and its log-probs (a chain for top_k 1),
-        or SpecExec's best-first tree (`best_first`: a slow target's big trees); -> the tree and
-        the nodes a grafted `chain` added (EAGLE-2 trees only)."""
+    def grow(self, context: list[int], root_out: torch.Tensor,
+             root_logp: torch.Tensor) -> tuple[DraftTree, tuple[int, ...]]:
+        """EAGLE-2's dynamic tree from the root's (context[-1]'s) head output and its log-probs (a chain
+        for top_k 1), or SpecExec's best-first tree (`best_first`: a slow target's big trees); -> the
+        tree and the nodes a chain copied from the context added (EAGLE-2 trees only: `graft_chain`)."""
+        root = context[-1]
         if self.tree.best_first:
             return self.grow_best_first(root, root_out, root_logp), ()
         if self.tree.top_k == 1:
             return self.grow_chain(root, root_out, root_logp), ()
-        return self.grow_tree(root, root_out, root_logp, chain)
+        return self.grow_tree(root, root_out, root_logp, self.graft_chain(context))
 
     def grow_tree(self, root: int, root_out: torch.Tensor, root_logp: torch.Tensor,
                   chain: list[int]) -> tuple[DraftTree, tuple[int, ...]]:
