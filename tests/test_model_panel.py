@@ -3,7 +3,6 @@ switching in the service (core/service/chat.py, core/service/switching.py), with
 child process runs a stand-in worker that writes blobs the way huggingface_hub does."""
 
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -17,30 +16,9 @@ from core.config import ModelChoice
 from core.errors import HeadMismatchError, ModelLoadError
 from core.service.switching import SwitchReport, fetch, is_hub_id
 from models.download import Download, Progress, repo_folder
+from tests.download_workers import failing_worker, hanging_worker, slow_worker
 
 GIB = 2**30
-
-
-def slow_worker(repo_id, hub, patterns, results):
-    """Lists 4 MB, then writes 1 MB per 0.2 s into blobs/ and finishes."""
-    blobs = Path(hub) / ("models--" + repo_id.replace("/", "--")) / "blobs"
-    blobs.mkdir(parents=True, exist_ok=True)
-    results.put(("total", 4 * 2**20))
-    for i in range(4):
-        (blobs / f"part{i}.incomplete").write_bytes(b"x" * 2**20)
-        time.sleep(0.2)
-    snap = blobs.parent / "snapshots" / "abc"
-    snap.mkdir(parents=True, exist_ok=True)
-    results.put(("done", str(snap)))
-
-
-def failing_worker(repo_id, hub, patterns, results):
-    results.put(("error", "RepositoryNotFoundError: 404"))
-
-
-def hanging_worker(repo_id, hub, patterns, results):
-    results.put(("total", 10 * GIB))
-    time.sleep(60)
 
 
 def test_download_reports_progress_and_returns_the_snapshot(tmp_path):
