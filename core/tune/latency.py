@@ -38,7 +38,7 @@ SLOPE_SIZES = (1, 8, 32)                # also timed at the long context: attent
 SHORT_CONTEXT, LONG_CONTEXT = 32, 2048
 REPEATS = 5
 WARM, WARM_FIRST = 2, 12
-VERSION = 20   # 20: graphs without dynamo's prologue and the target's q/k/v and gate/up joined (models/fused.py); 19: the slopes at 2,048 tokens; 18: head steps' context slope; 17: a CPU's graphs run from a C++ wrapper (core/runtime/graphs.py CPP_WRAPPER), ~1 ms less a verify
+VERSION = 21   # 21: a draft's fixed cost measured without the rerank a chain skips; 20: graphs without dynamo's prologue and the target's q/k/v and gate/up joined (models/fused.py); 19: the slopes at 2,048 tokens; 18: head steps' context slope; 17: a CPU's graphs run from a C++ wrapper (core/runtime/graphs.py CPP_WRAPPER), ~1 ms less a verify
 
 
 @dataclass(frozen=True)
@@ -91,11 +91,14 @@ class LatencyProfile:
         extra = max(context - self.contexts[0], 0) * slope
         return interpolate(self.widths, self.head_ms, width) + extra
 
-    def draft(self, depth: int, top_k: int, caught_up: float, context: float) -> float:
+    def draft(self, depth: int, top_k: int, caught_up: float, context: float, reranked: bool | None = None) -> float:
         """ms of an EAGLE draft after `context` tokens: the catch-up over the `caught_up` tokens the
-        last round committed, `depth` expansion steps at width top_k, the rerank and the drafter's
-        own bookkeeping."""
-        return (self.head(caught_up, context) + depth * self.head(top_k, context) + self.rerank_ms
+        last round committed, `depth` expansion steps at width top_k, the drafter's own bookkeeping
+        and the rerank, which a chain skips (`reranked`: default top_k > 1; a best-first tree always
+        reranks). Counted for chains too, it made a CPU's d0k2n3 look as cheap to draft as d0k1n2:
+        the tuner picked it for 1.07x plain where d0k1n2 ran 1.29x (2-core EPYC, MT-bench)."""
+        rerank = self.rerank_ms if (top_k > 1 if reranked is None else reranked) else 0.0
+        return (self.head(caught_up, context) + depth * self.head(top_k, context) + rerank
                 + self.draft_fixed_ms + depth * self.draft_level_ms)
 
     def to_json(self) -> dict:
@@ -208,8 +211,8 @@ def measure_profile(engine, sizes: tuple[int, ...] = SIZES) -> LatencyProfile:
         # What a whole draft costs beyond its head steps and rerank: the drafter's own bookkeeping.
         flat = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(0, 1, 2, copy=0))   # head steps, never a copy
         deep = time_draft(drafter, engine, ids[:SHORT_CONTEXT], TreeConfig(2, 2, 4, copy=0))
-        fixed = max(0.0, flat - head_ms[0] - rerank_ms)
-        level = max(0.0, (deep - flat - 2 * interpolate(widths, head_ms, 2)) / 2)   # at the short context: no slope
+        fixed = max(0.0, flat - head_ms[0])   # a chain: no rerank
+        level = max(0.0, (deep - flat - 2 * interpolate(widths, head_ms, 2) - rerank_ms) / 2)   # at the short context: no slope
     engine.reset()
     return LatencyProfile(tuple(sizes), short_ms, (SHORT_CONTEXT, long_), slope_sizes, slopes, widths, head_ms,
                           rerank_ms, time.perf_counter() - t0, engine.runner.buckets,  # eager or not, verifies pad to them

@@ -54,7 +54,7 @@ def recall(path: Path, prior: torch.Tensor) -> PositionalAcceptance:
         return acceptance
     # Rank 0 is offered at every round that reaches a depth: the most trials of its row.
     scale = REMEMBERED / trials[:, :1].clamp(min=REMEMBERED)                  # (D, 1), <= 1
-    acceptance.hits, acceptance.trials = hits * scale, trials * scale
+    acceptance.restore(hits * scale, trials * scale)
     return acceptance
 
 
