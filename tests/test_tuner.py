@@ -191,6 +191,21 @@ def test_cpu_profile_picks_a_small_tree_and_gpu_a_large_deep_one():
     assert gpu.depth > cpu.depth
 
 
+def test_a_chain_is_not_charged_the_rerank_a_tree_runs():
+    """A draft of top-k 1 skips the rerank (EagleDrafter.grow_chain); a tree of top-k 2 or more and
+    every best-first tree run it. Charged to chains too, it made a CPU's d0k2n3 look as cheap to
+    draft as d0k1n2: the tuner drafted d0k2n3 at 1.07x plain where d0k1n2 ran 1.29x."""
+    cpu = replace(profile(lambda n: {1: 4.8, 2: 5.0, 4: 5.8}.get(n, 4.0 + 0.9 * n), head_ms=(0.25,) * 6),
+                  rerank_ms=0.3, draft_fixed_ms=0.4)
+    chain, tree = cpu.draft(0, 1, 1, 32), cpu.draft(0, 2, 1, 32)
+    assert chain == pytest.approx(0.25 + 0.4) and tree == pytest.approx(chain + 0.3)
+    assert cpu.draft(3, 1, 1, 32, reranked=True) == pytest.approx(cpu.draft(3, 1, 1, 32) + 0.3)   # best-first
+    # The second child (0.55 x 0.3 of the time) is worth its third row (0.4 ms) but not that and the rerank.
+    q = prior_table([0.55])
+    assert best_shape(q, cpu, 32, 3, Pins(depth=0), chain=False).tree == TreeConfig(0, 1, 2)
+    assert best_shape(q, replace(cpu, rerank_ms=0.0), 32, 3, Pins(depth=0), chain=False).tree == TreeConfig(0, 2, 3)
+
+
 def test_pins_are_kept():
     q = prior_table([0.7])
     shape = best_shape(q, GPU, 100, 96, Pins(depth=2, top_k=3), chain=False).tree

@@ -45,7 +45,7 @@ class KVLayer(StaticLayer):
 class RowMove:
     """One commit's move as index tensors, computed once for all of a cache's layers (one layout):
     building them per layer was ~20 small ops a layer, 1.7 ms a commit that moved a row on the
-    2-core EPYC (a third of a plain token) against ~0.3 now."""
+    2-core EPYC (a third of a plain token) against 0.55 now."""
     source: torch.Tensor       # (a,) the rows kept
     target: torch.Tensor       # (a,) where they go: start, start + 1, ...
     key_source: torch.Tensor   # where their keys' elements lie along the keys' dim 2 (a layout's own)

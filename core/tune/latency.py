@@ -96,7 +96,7 @@ class LatencyProfile:
         last round committed, `depth` expansion steps at width top_k, the drafter's own bookkeeping
         and the rerank, which a chain skips (`reranked`: default top_k > 1; a best-first tree always
         reranks). Counted for chains too, it made a CPU's d0k2n3 look as cheap to draft as d0k1n2:
-        the tuner picked it for 1.07x plain where d0k1n2 ran 1.29x (2-core EPYC, MT-bench)."""
+        the tuner drafted it for 1.07x plain where d0k1n2 ran 1.29x (2-core EPYC, 16 MT-bench prompts, one hour)."""
         rerank = self.rerank_ms if (top_k > 1 if reranked is None else reranked) else 0.0
         return (self.head(caught_up, context) + depth * self.head(top_k, context) + rerank
                 + self.draft_fixed_ms + depth * self.draft_level_ms)
