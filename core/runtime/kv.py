@@ -49,7 +49,7 @@ class RowMove:
     source: torch.Tensor       # (a,) the rows kept
     target: torch.Tensor       # (a,) where they go: start, start + 1, ...
     key_source: torch.Tensor   # where their keys' elements lie along the keys' dim 2 (a layout's own)
-    key_target: torch.Tensor
+    key_target: torch.Tensor   # ... and where they go
 
 
 class BlockedKVLayer(KVLayer):
