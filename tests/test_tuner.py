@@ -199,7 +199,7 @@ def test_a_chain_is_not_charged_the_rerank_a_tree_runs():
                   rerank_ms=0.3, draft_fixed_ms=0.4)
     chain, tree = cpu.draft(0, 1, 1, 32), cpu.draft(0, 2, 1, 32)
     assert chain == pytest.approx(0.25 + 0.4) and tree == pytest.approx(chain + 0.3)
-    assert cpu.draft(3, 1, 1, 32, reranked=True) == pytest.approx(cpu.draft(3, 1, 1, 32) + 0.3)   # best-first
+    assert cpu.draft(3, 1, 1, 32, best_first=True) == pytest.approx(cpu.draft(3, 1, 1, 32) + 0.3)   # best-first
     # The second child (0.55 x 0.3 of the time) is worth its third row (0.4 ms) but not that and the rerank.
     q = prior_table([0.55])
     assert best_shape(q, cpu, 32, 3, Pins(depth=0), chain=False).tree == TreeConfig(0, 1, 2)

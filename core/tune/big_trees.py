@@ -90,7 +90,7 @@ def best_first_budget(q: torch.Tensor, profile: LatencyProfile, context: float, 
             if needed > steps and not pins.total_tokens:
                 break   # the head would stop short of n - 1 nodes (a pinned size is planned anyway)
             tokens = 1 + gained[min(n - 1, len(gained) - 1)]
-            ms = profile.round(n, context) + draft_scale * profile.draft(steps, b, tokens, context, reranked=True)
+            ms = profile.round(n, context) + draft_scale * profile.draft(steps, b, tokens, context, best_first=True)
             if best is None or tokens / ms > best.tokens / best.round_ms:
                 best = Budget(TreeConfig(depth=steps, top_k=b, total_tokens=n, best_first=True), tokens, ms)
     return best

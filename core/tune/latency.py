@@ -91,13 +91,13 @@ class LatencyProfile:
         extra = max(context - self.contexts[0], 0) * slope
         return interpolate(self.widths, self.head_ms, width) + extra
 
-    def draft(self, depth: int, top_k: int, caught_up: float, context: float, reranked: bool | None = None) -> float:
+    def draft(self, depth: int, top_k: int, caught_up: float, context: float, best_first: bool = False) -> float:
         """ms of an EAGLE draft after `context` tokens: the catch-up over the `caught_up` tokens the
         last round committed, `depth` expansion steps at width top_k, the drafter's own bookkeeping
-        and the rerank, which a chain skips (`reranked`: default top_k > 1; a best-first tree always
-        reranks). Counted for chains too, it made a CPU's d0k2n3 look as cheap to draft as d0k1n2:
-        the tuner drafted it for 1.07x plain where d0k1n2 ran 1.29x (2-core EPYC, 16 MT-bench prompts, one hour)."""
-        rerank = self.rerank_ms if (top_k > 1 if reranked is None else reranked) else 0.0
+        and the rerank, which an EAGLE-2 chain (top_k 1) skips and a best-first tree always runs.
+        Counted for chains too, it made a CPU's d0k2n3 look as cheap to draft as d0k1n2: the tuner
+        drafted it for 1.07x plain where d0k1n2 ran 1.29x (2-core EPYC, 16 MT-bench prompts, one hour)."""
+        rerank = self.rerank_ms if best_first or top_k > 1 else 0.0
         return (self.head(caught_up, context) + depth * self.head(top_k, context) + rerank
                 + self.draft_fixed_ms + depth * self.draft_level_ms)
 

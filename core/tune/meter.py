@@ -85,7 +85,7 @@ class Meter:
         self.drafts += 1
         self.draft_s += step.draft_s
         self.draft_profiled_s += self.profile.draft(self.tree.depth, self.tree.top_k, caught_up, context,
-                                                    reranked=self.tree.best_first or self.tree.top_k > 1) / 1000
+                                                    self.tree.best_first) / 1000
 
     @property
     def load(self) -> float:
